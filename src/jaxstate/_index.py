@@ -1,0 +1,123 @@
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from ._flag import flag_value, to_flag
+from ._storage import Handle
+
+
+_T = TypeVar("_T")
+
+
+class StateIndex(eqx.Module, Generic[_T]):
+    """A key under which a piece of state is stored, read with
+    [`jaxstate.get_state`][] and written with [`jaxstate.set_state`][].
+
+    Keep it in your model like a parameter. The state itself lives on the device,
+    outside the model's pytree: a `StateIndex` has no leaves, so `jax.grad`,
+    `jax.vmap`, `jtu.tree_map` and optimisers never see (or differentiate) it, and
+    every copy of the model (from `eqx.tree_at`, a jit boundary, ...) shares one state.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jaxstate
+
+        class CacheInput(eqx.Module):
+            index: jaxstate.StateIndex
+
+            def __init__(self, input_shape):
+                self.index = jaxstate.StateIndex()
+                jaxstate.set_state(self.index, jnp.zeros(input_shape))
+
+            def __call__(self, x):
+                last_x = jaxstate.get_state(self.index, x)
+                jaxstate.set_state(self.index, x)
+                print(f"last_x={last_x}, x={x}")
+
+        x = jnp.array([1., 2.])
+        y = jnp.array([3., 4.])
+        ci = CacheInput(x.shape)
+        ci(x)  # last_x=[0. 0.], x=[1. 2.]
+        ci(y)  # last_x=[1. 2.], x=[3. 4.]
+        ```
+    """
+
+    _handle: Handle = eqx.field(repr=False)
+    inference: bool = eqx.field(converter=to_flag)
+
+    def __init__(self, inference: bool = False, *, init: PyTree[Array] | None = None):
+        """**Arguments:**
+
+        - `inference`: if `True`, the state can be read but not written. Reads see
+            the state as it is when the compiled call starts, fed in as an input.
+            Toggle it with [`jaxstate.tree_inference`][] (or
+            `equinox.nn.inference_mode`).
+        - `init`: optional initial state, any PyTree of arrays; the same as calling
+            `set_state(index, init)` straight after construction (so it is allowed in
+            inference mode too). Inside `jax.vmap` the state is stored with one slice
+            per member.
+
+        **Raises:**
+
+        As [`jaxstate.set_state`][], for a bad `init`.
+        """
+        self._handle = Handle.new()
+        self.inference = inference
+        if init is not None:
+            from ._ops import _set
+
+            _set(self, init, "StateIndex(init=...)")
+
+    @property
+    def is_set(self) -> bool:
+        """Whether any state has been stored under this index yet."""
+        return self._handle.get().refs is not None
+
+    def unsafe_get(self) -> PyTree[Array]:
+        """Returns the whole stored value, with any vmap batch axes in front.
+
+        Meant for inspection outside of transforms (tests, checkpoints, debugging);
+        inside a compiled function use [`jaxstate.get_state`][].
+
+        **Raises:**
+
+        A `RuntimeError` if no state has been set, or if called inside a transform.
+        """
+        storage = self._handle.get()
+        if storage.refs is None:
+            raise RuntimeError(
+                "Cannot get state before it has been set: call "
+                "`jaxstate.set_state(index, value)` first."
+            )
+        from ._vmap import is_eager
+
+        if not is_eager():
+            raise RuntimeError(
+                "`StateIndex.unsafe_get()` reads the stored value directly and only "
+                "works outside jit/vmap/grad; inside them use `jaxstate.get_state`."
+            )
+        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+
+    def __repr__(self) -> str:
+        storage = self._handle.storage
+        what = "freed" if storage is None else storage.describe()
+        return (
+            f"StateIndex(inference={flag_value(self.inference, 'StateIndex')}, {what})"
+        )
+
+
+def _check_index(index: Any, fn: str) -> None:
+    if not isinstance(index, StateIndex):
+        raise TypeError(
+            f"`{fn}` expects a `jaxstate.StateIndex` as its first argument, got "
+            f"{type(index).__name__}."
+        )
+
+
+del jax

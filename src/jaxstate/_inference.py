@@ -1,0 +1,64 @@
+import equinox as eqx
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._flag import Flag
+
+
+def _has_inference(x) -> bool:
+    return hasattr(x, "inference")
+
+
+def _owners(pytree) -> list:
+    out = [pytree] if _has_inference(pytree) else []
+    is_leaf = lambda x: _has_inference(x) and x is not pytree  # noqa: E731
+    for x in jtu.tree_leaves(pytree, is_leaf=is_leaf):
+        if is_leaf(x):
+            out.extend(_owners(x))
+    return out
+
+
+def _is_jaxstate(x) -> bool:
+    return type(x).__module__.startswith("jaxstate")
+
+
+def tree_inference(pytree: PyTree, value: bool) -> PyTree:
+    """Returns a copy of `pytree` with every `inference` flag set to `value`.
+
+    Like `equinox.nn.inference_mode`, which also works on jaxstate's indices and
+    layers. The difference: flags of jaxstate objects are stored as static tree
+    structure, so a model switched here can also be passed through plain `jax.jit`.
+
+    **Arguments:**
+
+    - `pytree`: any PyTree, typically a model.
+    - `value`: `True` for inference mode, `False` for training mode.
+
+    **Returns:**
+
+    A copy of `pytree`. Switching modes costs at most one recompile per mode.
+
+    !!! example
+
+        ```python
+        eval_model = jaxstate.tree_inference(model, True)
+        ```
+    """
+    owners = _owners(pytree)
+    ours = [o for o in owners if _is_jaxstate(o)]
+    theirs = [o for o in owners if not _is_jaxstate(o)]
+    if ours:
+        pytree = eqx.tree_at(
+            lambda t: [o.inference for o in _owners(t) if _is_jaxstate(o)],
+            pytree,
+            replace_fn=lambda _: Flag(value),
+            is_leaf=lambda x: x is None,
+        )
+    if theirs:
+        pytree = eqx.tree_at(
+            lambda t: [o.inference for o in _owners(t) if not _is_jaxstate(o)],
+            pytree,
+            replace_fn=lambda _: bool(value),
+            is_leaf=lambda x: x is None,
+        )
+    return pytree

@@ -1,0 +1,211 @@
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax._src import core
+from jaxtyping import Array, PyTree
+
+from ._flag import flag_value
+from ._index import _check_index, StateIndex
+from ._storage import Storage
+from ._vmap import (
+    check_vmaps,
+    in_while_cond,
+    is_eager,
+    new_refs_eager,
+    only_eager_vmaps,
+    read_p,
+    vmap_sizes,
+    write_p,
+)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, core.Tracer)) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, jax.Ref)
+    )
+
+
+def _flatten_arrays(tree, fn: str, what: str):
+    leaves, treedef = jtu.tree_flatten(tree)
+    for leaf in leaves:
+        if not _is_array(leaf):
+            raise TypeError(
+                f"`{what}` passed to `{fn}` must be a PyTree of arrays, but it has a "
+                f"leaf of type {type(leaf).__name__} ({leaf!r:.60}). Wrap Python "
+                "numbers with `jnp.asarray`, and keep non-array data as ordinary "
+                "(static) fields of your module."
+            )
+    return leaves, treedef
+
+
+def _aval_text(shape, dtype) -> str:
+    return f"{jnp.dtype(dtype)}{list(shape)}"
+
+
+def _check_against_storage(storage: Storage, leaves, treedef, fn: str, what: str):
+    if treedef != storage.treedef:
+        raise RuntimeError(
+            f"`{what}` passed to `{fn}` has PyTree structure {treedef}, but the stored "
+            f"state has structure {storage.treedef}. State keeps the structure it was "
+            "first set with; use a new StateIndex for a different structure."
+        )
+    for i, (leaf, aval) in enumerate(zip(leaves, storage.member_avals, strict=True)):
+        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        if shape != aval.shape or dtype != aval.dtype:
+            batch = (
+                f" (per vmap member; the stored value also has batch axes of sizes "
+                f"{storage.batch_shape})"
+                if storage.batch_shape
+                else ""
+            )
+            raise RuntimeError(
+                f"`{what}` passed to `{fn}` has a leaf {i} of "
+                f"{_aval_text(shape, dtype)}, but the stored state has "
+                f"{_aval_text(aval.shape, aval.dtype)}{batch}. State keeps the shape "
+                "and dtype it was first set with; cast or reshape the value (e.g. "
+                "`x.astype(...)`), or use a new StateIndex."
+            )
+
+
+def _create(storage: Storage, leaves, treedef, fn: str) -> None:
+    if not only_eager_vmaps():
+        raise RuntimeError(
+            f"`{fn}` is storing state for this index for the first time inside "
+            "jax.jit / grad / scan / another transform, where it has no memory to live "
+            "in that outlasts the call. Give the state its initial value outside "
+            "transforms (eager code, or eager `vmap`), for example in the model's "
+            "`__init__` or with `StateIndex(init=...)`."
+        )
+    refs = new_refs_eager(leaves)
+    storage.member_avals = tuple(
+        core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves
+    )
+    storage.treedef = treedef
+    storage.batch_shape = vmap_sizes()
+    storage.refs = refs
+
+
+def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
+    storage = index._handle.get()
+    leaves, treedef = _flatten_arrays(state, fn, "state")
+    if storage.refs is None:
+        _create(storage, leaves, treedef, fn)
+        return
+    _check_against_storage(storage, leaves, treedef, fn, "state")
+    assert storage.refs is not None
+    n_extra = check_vmaps(storage.batch_shape, fn)
+    if is_eager():
+        for ref, leaf in zip(storage.refs, leaves, strict=True):
+            ref[...] = jnp.asarray(leaf)
+        return
+    # Build every stacked value before writing any, so that a failure leaves the
+    # stored state untouched.
+    stacked = [
+        write_p.bind(
+            lax.stop_gradient(jnp.asarray(leaf)),
+            batch_shape=storage.batch_shape,
+            n_extra=n_extra,
+            levels=(),
+        )
+        for leaf in leaves
+    ]
+    for ref, value in zip(storage.refs, stacked, strict=True):
+        ref[...] = value
+
+
+def set_state(index: StateIndex, state: PyTree[Array]) -> None:
+    """Stores a PyTree of arrays under `index`, as a side effect.
+
+    Works eagerly and inside `jax.jit`, `eqx.filter_jit`, `vmap`, `scan`, `cond`,
+    `while_loop`, `grad` and `checkpoint`; compiled calls update the state in place on
+    the device.
+
+    **Arguments:**
+
+    - `index`: a [`jaxstate.StateIndex`][].
+    - `state`: a PyTree of arrays. The first `set_state` of an index fixes the
+        structure, shapes and dtypes, and must happen outside `jit` (it allocates
+        the state's memory); under eager `vmap` it stores one slice per member.
+
+    **Returns:**
+
+    `None`.
+
+    **Raises:**
+
+    - `TypeError` if `state` has a leaf that is not an array.
+    - `RuntimeError` if the index is in inference mode; if `state` differs in
+        structure, shape or dtype from the stored state; if this is the first set
+        and it happens inside a transform other than `vmap`; or (when the call is
+        compiled or evaluated) if the enclosing vmaps do not match the state's batch
+        axes. After an error the stored state is unchanged.
+
+    !!! info
+
+        State is not differentiable: `state` is passed through `lax.stop_gradient`.
+    """
+    _check_index(index, "set_state")
+    if flag_value(index.inference, "StateIndex"):
+        raise RuntimeError(
+            "Cannot use `set_state` on a StateIndex in inference mode. Switch the "
+            "model back to training with `jaxstate.tree_inference(model, False)`."
+        )
+    _set(index, state, "set_state")
+
+
+def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Array]:
+    """Reads the state stored under `index`.
+
+    **Arguments:**
+
+    - `index`: a [`jaxstate.StateIndex`][].
+    - `like`: optional PyTree of arrays with the structure, shape and dtype of the
+        state (as seen by one vmap member), checked against the stored state.
+
+    **Returns:**
+
+    The stored state. Under the `vmap`s it was first set under, each member sees its
+    own slice; under further vmaps it is broadcast. It carries no gradient.
+
+    **Raises:**
+
+    - `TypeError` if `like` has a leaf that is not an array.
+    - `RuntimeError` if nothing has been stored yet, if `like` does not match, if
+        called in the condition of a `lax.while_loop` (use
+        [`jaxstate.while_loop`][]), or (when compiled or evaluated) if the
+        enclosing vmaps do not match the state's batch axes.
+    """
+    _check_index(index, "get_state")
+    storage = index._handle.get()
+    flag_value(index.inference, "StateIndex")
+    if storage.refs is None:
+        raise RuntimeError(
+            "Cannot get state before it has been set: call "
+            "`jaxstate.set_state(index, value)` outside jit first (e.g. in the "
+            "model's `__init__`), or create the index with `StateIndex(init=value)`."
+        )
+    if like is not None:
+        leaves, treedef = _flatten_arrays(like, "get_state", "like")
+        _check_against_storage(storage, leaves, treedef, "get_state", "like")
+    n_extra = check_vmaps(storage.batch_shape, "get_state")
+    if is_eager():
+        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+    if in_while_cond():
+        raise RuntimeError(
+            "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
+            "loop keeps a separate copy of state read there, so the condition would "
+            "never see the body's writes and the loop could run forever. Use "
+            "`jaxstate.while_loop` (same signature), which evaluates the condition "
+            "inside the loop body, or read the state in the body and carry the "
+            "predicate."
+        )
+    out = [
+        lax.stop_gradient(
+            read_p.bind(
+                ref[...], batch_shape=storage.batch_shape, n_extra=n_extra, levels=()
+            )
+        )
+        for ref in storage.refs
+    ]
+    return jtu.tree_unflatten(storage.treedef, out)

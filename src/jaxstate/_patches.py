@@ -1,0 +1,83 @@
+"""Two narrow extensions of JAX's batching rules, installed on import.
+
+Both only change cases where JAX (0.10.x) raises; every other case goes to JAX's own
+rule unchanged. They exist because jaxstate keeps state in *unbatched* references and
+does its own per-member slicing (see `_vmap.py` and docs/design.md, "vmap").
+"""
+
+from jax._src.interpreters import batching
+from jax._src.lax.control_flow import conditionals
+from jax._src.state import primitives as state_primitives
+from jax._src.state.types import RefEffect
+
+
+_fancy = batching.fancy_primitive_batchers
+
+
+#
+# JAX refuses any write to an unbatched reference under vmap, even of an unbatched
+# value. jaxstate's writes are unbatched by construction (`write_p` hands back the
+# whole stacked value, unbatched), so exactly that case is let through: an unbatched
+# value written to an unbatched reference means the same for every member.
+#
+def _swap_batcher(axis_data, vals, dims, **params):
+    if all(d is None for d in dims):
+        return state_primitives.swap_p.bind(*vals, **params), None
+    return _jax_swap_batcher(axis_data, vals, dims, **params)
+
+
+#
+# JAX refuses `lax.cond` with any reference effect under vmap. With a predicate that
+# is the same for every member the branches can be batched like any other function:
+# the cond stays a cond. With a per-member predicate JAX would run both branches and
+# select (so both branches' writes would land), which stays refused, with a message
+# that says what to do instead.
+#
+def _cond_batcher(axis_data, args, dims, *, branches, **params):
+    has_ref_effects = any(
+        isinstance(eff, RefEffect) for b in branches for eff in b.jaxpr.effects
+    )
+    if not has_ref_effects:
+        return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
+    index, *ops = args
+    index_dim, *op_dims = dims
+    if index_dim is not None:
+        raise NotImplementedError(
+            "A `lax.cond`/`lax.switch` whose predicate differs between vmap members "
+            "cannot write state: under vmap JAX runs both branches and selects, so "
+            "both branches' writes would land. Compute both candidate values and "
+            "write the chosen one, e.g. "
+            "`set_state(index, jnp.where(pred, new, get_state(index)))`."
+        )
+    ops_batched = [d is not None for d in op_dims]
+    ops = [
+        batching.moveaxis(x, d, 0) if d is not None else x
+        for x, d in zip(ops, op_dims, strict=True)
+    ]
+    out_batched = [
+        any(bs)
+        for bs in zip(
+            *(
+                batching.batch_jaxpr(b, axis_data, ops_batched, False)[1]
+                for b in branches
+            ),
+            strict=True,
+        )
+    ]
+    batched = tuple(
+        batching.batch_jaxpr(b, axis_data, ops_batched, out_batched)[0]
+        for b in branches
+    )
+    out = conditionals.cond_p.bind(index, *ops, branches=batched, **params)
+    return out, [0 if b else None for b in out_batched]
+
+
+_jax_swap_batcher = _fancy[state_primitives.swap_p]
+_jax_cond_batcher = _fancy[conditionals.cond_p]
+if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
+    for _prim, _rule in [
+        (state_primitives.swap_p, _swap_batcher),
+        (conditionals.cond_p, _cond_batcher),
+    ]:
+        _rule.jaxstate_patch = True  # pyright: ignore[reportFunctionMemberAccess]
+        _fancy[_prim] = _rule

@@ -1,0 +1,141 @@
+"""Bad input gets a clear error, at trace time where possible, and leaves every
+stored state exactly as it was."""
+
+import gc
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+
+import jaxstate
+
+
+def _state():
+    return jaxstate.StateIndex(init=(jnp.arange(3.0), jnp.array(7, jnp.int32)))
+
+
+def _assert_untouched(index):
+    a, b = index.unsafe_get()
+    np.testing.assert_array_equal(a, [0.0, 1.0, 2.0])
+    assert b == 7 and b.dtype == jnp.int32
+
+
+_bad_sets = {
+    "python float leaf": (TypeError, (1.0, jnp.array(1, jnp.int32)), "Wrap Python"),
+    "string leaf": (TypeError, (jnp.zeros(3), "seven"), "PyTree of arrays"),
+    "shape": (RuntimeError, (jnp.zeros(4), jnp.array(1, jnp.int32)), r"float32\[4\]"),
+    "dtype": (RuntimeError, (jnp.zeros(3), jnp.array(1.0)), r"float32\[\].*int32\[\]"),
+    "structure": (RuntimeError, [jnp.zeros(3), jnp.array(1, jnp.int32)], "structure"),
+    "missing leaf": (RuntimeError, (jnp.zeros(3),), "structure"),
+    "second leaf bad": (RuntimeError, (jnp.ones(3), jnp.zeros(2, jnp.int32)), "leaf 1"),
+}
+
+
+@pytest.mark.parametrize("where", ["eager", "jit", "trace"])
+@pytest.mark.parametrize("case", _bad_sets.values(), ids=_bad_sets.keys())
+def test_bad_set_raises_and_changes_nothing(case, where):
+    error, value, match = case
+    index = _state()
+    f = lambda: jaxstate.set_state(index, value)  # noqa: E731
+    with pytest.raises(error, match=match):
+        if where == "eager":
+            f()
+        elif where == "jit":
+            jax.jit(f)()
+        else:  # raised while tracing, before anything runs
+            jax.make_jaxpr(f)()
+    _assert_untouched(index)
+
+
+_bad_likes = {
+    "non-array": (TypeError, (jnp.zeros(3), 7), "PyTree of arrays"),
+    "shape": (RuntimeError, (jnp.zeros(2), jnp.array(1, jnp.int32)), "leaf 0"),
+    "dtype": (
+        RuntimeError,
+        (jnp.zeros(3, jnp.int32), jnp.array(1, jnp.int32)),
+        "int32",
+    ),
+    "structure": (RuntimeError, {"a": jnp.zeros(3)}, "structure"),
+}
+
+
+@pytest.mark.parametrize("case", _bad_likes.values(), ids=_bad_likes.keys())
+def test_bad_like_raises_at_trace_time(case):
+    error, like, match = case
+    index = _state()
+    with pytest.raises(error, match=match):
+        jaxstate.get_state(index, like)
+    with pytest.raises(error, match=match):
+        jax.make_jaxpr(lambda: jaxstate.get_state(index, like))()
+    _assert_untouched(index)
+
+
+def test_get_before_set():
+    index = jaxstate.StateIndex()
+    with pytest.raises(RuntimeError, match="set_state"):
+        jaxstate.get_state(index)
+    with pytest.raises(RuntimeError, match="set_state"):
+        jax.make_jaxpr(lambda: jaxstate.get_state(index))()
+    with pytest.raises(RuntimeError, match="set_state"):
+        index.unsafe_get()
+
+
+def test_first_set_inside_jit_is_refused():
+    index = jaxstate.StateIndex()
+    with pytest.raises(RuntimeError, match="outside transforms"):
+        jax.jit(lambda: jaxstate.set_state(index, jnp.zeros(2)))()
+    with pytest.raises(RuntimeError, match="outside transforms"):
+        jax.grad(lambda x: (jaxstate.set_state(index, x), x)[1])(1.0)
+    assert not index.is_set
+    jaxstate.set_state(index, jnp.zeros(2))  # still usable afterwards
+    assert index.is_set
+
+
+def test_set_in_inference_mode_changes_nothing():
+    index = jaxstate.tree_inference(_state(), True)
+    with pytest.raises(RuntimeError, match="tree_inference"):
+        jaxstate.set_state(index, (jnp.zeros(3), jnp.array(0, jnp.int32)))
+    _assert_untouched(index)
+
+
+def test_not_an_index():
+    with pytest.raises(TypeError, match="StateIndex"):
+        jaxstate.get_state(jnp.zeros(3))  # pyright: ignore
+    with pytest.raises(TypeError, match="StateIndex"):
+        jaxstate.set_state("index", jnp.zeros(3))  # pyright: ignore
+
+
+def test_unsafe_get_inside_a_transform():
+    index = _state()
+    with pytest.raises(RuntimeError, match="get_state"):
+        jax.jit(index.unsafe_get)()
+
+
+def test_failed_trace_in_the_middle_of_a_step_commits_nothing():
+    a = jaxstate.StateIndex(init=jnp.zeros(2))
+    b = _state()
+
+    @jax.jit
+    def step():
+        jaxstate.set_state(a, jaxstate.get_state(a) + 1)
+        jaxstate.set_state(b, (jnp.zeros(5), jnp.array(0, jnp.int32)))  # bad shape
+
+    with pytest.raises(RuntimeError):
+        step()
+    np.testing.assert_array_equal(a.unsafe_get(), jnp.zeros(2))
+    _assert_untouched(b)
+
+
+def test_stale_tree_metadata_after_the_model_is_gone():
+    class Model(eqx.Module):
+        index: jaxstate.StateIndex
+
+    leaves, treedef = jtu.tree_flatten(Model(jaxstate.StateIndex(init=jnp.zeros(2))))
+    jtu.tree_unflatten(treedef, leaves)  # the one live copy, dropped at once
+    gc.collect()
+    stale = jtu.tree_unflatten(treedef, leaves)
+    with pytest.raises(RuntimeError, match="freed"):
+        jaxstate.get_state(stale.index)
