@@ -3,6 +3,8 @@ import gc
 import jax
 import pytest
 
+import jaxstate
+
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -16,3 +18,20 @@ def collect():
             gc.collect()
 
     return run
+
+
+_JITS = {"jax.jit": jax.jit, "jaxstate.jit": jaxstate.jit}
+
+
+def pytest_generate_tests(metafunc):
+    # Every test of a module that compiles through a module-level `jit` runs once
+    # with plain `jax.jit` and once with `jaxstate.jit`.
+    if hasattr(metafunc.module, "jit"):
+        metafunc.fixturenames.append("jit_impl")
+        metafunc.parametrize("jit_impl", list(_JITS), indirect=True)
+
+
+@pytest.fixture
+def jit_impl(request, monkeypatch):
+    monkeypatch.setattr(request.module, "jit", _JITS[request.param])
+    return request.param

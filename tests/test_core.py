@@ -10,6 +10,9 @@ import pytest
 import jaxstate
 
 
+jit = jax.jit  # swapped for each implementation by conftest.py
+
+
 class CacheInput(eqx.Module):
     index: jaxstate.StateIndex
 
@@ -39,7 +42,7 @@ def test_seed_example_eager(capsys):
 
 
 _compilers = {
-    "jax.jit": lambda f: jax.jit(f),
+    "jax.jit": lambda f: jit(f),
     "eqx.filter_jit": lambda f: eqx.filter_jit(f),
 }
 
@@ -55,16 +58,16 @@ def test_seed_example_model_as_argument(compile):
 
 def test_seed_example_closed_over():
     ci = CacheInput(x.shape)
-    call = jax.jit(lambda v: ci(v))
+    call = jit(lambda v: ci(v))
     np.testing.assert_array_equal(call(x), [0.0, 0.0])
     np.testing.assert_array_equal(call(y), [1.0, 2.0])
 
 
 def test_eager_and_compiled_share_one_state():
     ci = CacheInput(x.shape)
-    jitted = jax.jit(lambda m, v: m(v))
+    jitted = jit(lambda m, v: m(v))
     filtered = eqx.filter_jit(lambda m, v: m(v))
-    closed = jax.jit(lambda v: ci(v))
+    closed = jit(lambda v: ci(v))
     values = [jnp.full(2, float(i)) for i in range(1, 9)]
     calls = [ci, lambda v: jitted(ci, v), lambda v: filtered(ci, v), closed] * 2
     previous = jnp.zeros(2)
@@ -97,7 +100,7 @@ _trees = {
 def test_get_returns_exactly_what_was_set(tree):
     index = jaxstate.StateIndex()
     jaxstate.set_state(index, tree)
-    for got in (jaxstate.get_state(index), jax.jit(jaxstate.get_state)(index)):
+    for got in (jaxstate.get_state(index), jit(jaxstate.get_state)(index)):
         assert jtu.tree_structure(got) == jtu.tree_structure(tree)
         for a, b in zip(jtu.tree_leaves(got), jtu.tree_leaves(tree)):
             assert a.dtype == b.dtype and a.shape == b.shape
@@ -105,7 +108,7 @@ def test_get_returns_exactly_what_was_set(tree):
     new = jtu.tree_map(
         lambda a: (a + 1).astype(a.dtype) if a.dtype != bool else ~a, tree
     )
-    jax.jit(jaxstate.set_state)(index, new)
+    jit(jaxstate.set_state)(index, new)
     for a, b in zip(jtu.tree_leaves(index.unsafe_get()), jtu.tree_leaves(new)):
         np.testing.assert_array_equal(a, b)
 
@@ -121,7 +124,7 @@ def test_two_indices_never_share_state():
     a = jaxstate.StateIndex(init=jnp.zeros(3))
     b = jaxstate.StateIndex(init=jnp.zeros(3))
 
-    @jax.jit
+    @jit
     def step(a, b, v):
         jaxstate.set_state(a, jaxstate.get_state(a) + v)
         jaxstate.set_state(b, jaxstate.get_state(b) - 2 * v)

@@ -13,6 +13,9 @@ import pytest
 import jaxstate
 
 
+jit = jax.jit  # swapped for each implementation by conftest.py
+
+
 def _state():
     return jaxstate.StateIndex(init=(jnp.arange(3.0), jnp.array(7, jnp.int32)))
 
@@ -44,7 +47,7 @@ def test_bad_set_raises_and_changes_nothing(case, where):
         if where == "eager":
             f()
         elif where == "jit":
-            jax.jit(f)()
+            jit(f)()
         else:  # raised while tracing, before anything runs
             jax.make_jaxpr(f)()
     _assert_untouched(index)
@@ -86,7 +89,7 @@ def test_get_before_set():
 def test_first_set_inside_jit_is_refused():
     index = jaxstate.StateIndex()
     with pytest.raises(RuntimeError, match="outside transforms"):
-        jax.jit(lambda: jaxstate.set_state(index, jnp.zeros(2)))()
+        jit(lambda: jaxstate.set_state(index, jnp.zeros(2)))()
     with pytest.raises(RuntimeError, match="outside transforms"):
         jax.grad(lambda x: (jaxstate.set_state(index, x), x)[1])(1.0)
     assert not index.is_set
@@ -111,14 +114,14 @@ def test_not_an_index():
 def test_unsafe_get_inside_a_transform():
     index = _state()
     with pytest.raises(RuntimeError, match="get_state"):
-        jax.jit(index.unsafe_get)()
+        jit(index.unsafe_get)()
 
 
 def test_failed_trace_in_the_middle_of_a_step_commits_nothing():
     a = jaxstate.StateIndex(init=jnp.zeros(2))
     b = _state()
 
-    @jax.jit
+    @jit
     def step():
         jaxstate.set_state(a, jaxstate.get_state(a) + 1)
         jaxstate.set_state(b, (jnp.zeros(5), jnp.array(0, jnp.int32)))  # bad shape

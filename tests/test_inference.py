@@ -8,6 +8,9 @@ import pytest
 import jaxstate
 
 
+jit = jax.jit  # swapped for each implementation by conftest.py
+
+
 class Scale(eqx.Module):
     factor: jaxstate.StateIndex
 
@@ -23,7 +26,7 @@ def test_inference_index_cannot_set():
     with pytest.raises(RuntimeError, match="inference mode"):
         jaxstate.set_state(index, jnp.array(2.0))
     with pytest.raises(RuntimeError, match="inference mode"):
-        jax.jit(lambda: jaxstate.set_state(index, jnp.array(2.0)))()
+        jit(lambda: jaxstate.set_state(index, jnp.array(2.0)))()
     assert index.unsafe_get() == 1.0
 
 
@@ -32,7 +35,7 @@ def test_inference_read_before_any_state_raises():
     with pytest.raises(RuntimeError, match="before it has been set"):
         jaxstate.get_state(index)
     with pytest.raises(RuntimeError, match="before it has been set"):
-        jax.jit(jaxstate.get_state)(index)
+        jit(jaxstate.get_state)(index)
 
 
 @pytest.mark.parametrize("compile", [jax.jit, eqx.filter_jit])
@@ -49,7 +52,7 @@ def test_latest_state_is_fed_in_without_retrace(compile):
     assert predict(frozen, 3.0) == 3.0
     jaxstate.set_state(model.factor, jnp.array(2.0))  # via the training copy
     assert predict(frozen, 3.0) == 6.0
-    jax.jit(lambda m: jaxstate.set_state(m.factor, jnp.array(5.0)))(model)
+    jit(lambda m: jaxstate.set_state(m.factor, jnp.array(5.0)))(model)
     assert predict(frozen, 3.0) == 15.0
     assert len(traces) == 1
 
@@ -90,8 +93,9 @@ def test_plain_bool_flag_through_jax_jit_is_a_clear_error():
     frozen = eqx.nn.inference_mode(Scale())  # stores a plain Python bool leaf
     with pytest.raises(RuntimeError, match="tree_inference"):
         jax.jit(lambda m: m(2.0))(frozen)
-    # ... which tree_inference avoids.
+    # ... which tree_inference avoids; jaxstate.jit keeps Python bools static.
     assert jax.jit(lambda m: m(2.0))(jaxstate.tree_inference(frozen, True)) == 2.0
+    assert jaxstate.jit(lambda m: m(2.0))(frozen) == 2.0
 
 
 def test_switching_modes_costs_one_trace_per_mode():
@@ -99,7 +103,7 @@ def test_switching_modes_costs_one_trace_per_mode():
     frozen = jaxstate.tree_inference(model, True)
     traces = []
 
-    @jax.jit
+    @jit
     def f(m, x):
         traces.append(None)
         if m.factor.inference:

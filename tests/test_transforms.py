@@ -10,6 +10,9 @@ import pytest
 import jaxstate
 
 
+jit = jax.jit  # swapped for each implementation by conftest.py
+
+
 def _incr(index, by=1):
     jaxstate.set_state(index, jaxstate.get_state(index) + by)
 
@@ -21,7 +24,7 @@ def test_scan_sees_every_write():
         _incr(count, x)
         return carry, jaxstate.get_state(count)
 
-    _, seen = jax.jit(lambda xs: lax.scan(body, 0, xs))(jnp.arange(1, 6))
+    _, seen = jit(lambda xs: lax.scan(body, 0, xs))(jnp.arange(1, 6))
     np.testing.assert_array_equal(seen, [1, 3, 6, 10, 15])
     assert count.unsafe_get() == 15
 
@@ -34,20 +37,20 @@ def test_scan_eager():
 
 def test_fori_loop():
     count = jaxstate.StateIndex(init=jnp.array(0))
-    jax.jit(lambda n: lax.fori_loop(0, n, lambda i, c: (_incr(count, i), c)[1], 0))(5)
+    jit(lambda n: lax.fori_loop(0, n, lambda i, c: (_incr(count, i), c)[1], 0))(5)
     assert count.unsafe_get() == 0 + 1 + 2 + 3 + 4
 
 
 def test_while_loop_body_writes():
     count = jaxstate.StateIndex(init=jnp.array(0))
-    out = jax.jit(
+    out = jit(
         lambda: lax.while_loop(lambda i: i < 4, lambda i: (_incr(count), i + 1)[1], 0)
     )()
     assert out == 4 and count.unsafe_get() == 4
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_while_loop_condition_reading_state_is_refused(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_while_loop_condition_reading_state_is_refused(compiled):
     count = jaxstate.StateIndex(init=jnp.array(0))
 
     def loop():
@@ -58,12 +61,12 @@ def test_while_loop_condition_reading_state_is_refused(jit):
         )
 
     with pytest.raises(RuntimeError, match="jaxstate.while_loop"):
-        (jax.jit(loop) if jit else loop)()
+        (jit(loop) if compiled else loop)()
     assert count.unsafe_get() == 0
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_jaxstate_while_loop_condition_sees_body_writes(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_jaxstate_while_loop_condition_sees_body_writes(compiled):
     count = jaxstate.StateIndex(init=jnp.array(0))
 
     def loop():
@@ -73,16 +76,16 @@ def test_jaxstate_while_loop_condition_sees_body_writes(jit):
             0,
         )
 
-    assert (jax.jit(loop) if jit else loop)() == 5
+    assert (jit(loop) if compiled else loop)() == 5
     assert count.unsafe_get() == 5
-    assert (jax.jit(loop) if jit else loop)() == 0  # condition false at once
+    assert (jit(loop) if compiled else loop)() == 0  # condition false at once
     assert count.unsafe_get() == 5
 
 
 def test_cond_every_taken_branch_writes():
     state = jaxstate.StateIndex(init=jnp.array(0))
 
-    @jax.jit
+    @jit
     def step(p):
         lax.cond(p, lambda: _incr(state, 1), lambda: _incr(state, 10))
 
@@ -94,14 +97,14 @@ def test_cond_every_taken_branch_writes():
 def test_switch():
     state = jaxstate.StateIndex(init=jnp.array(0))
     branches = [lambda: _incr(state, 1), lambda: None, lambda: _incr(state, 100)]
-    step = jax.jit(lambda i: lax.switch(i, branches))
+    step = jit(lambda i: lax.switch(i, branches))
     for i in [0, 1, 2, 2, 0]:
         step(i)
     assert state.unsafe_get() == 202
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_checkpoint_applies_update_once_under_grad(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_checkpoint_applies_update_once_under_grad(compiled):
     count = jaxstate.StateIndex(init=jnp.array(0.0))
 
     def loss(w, x):
@@ -114,7 +117,7 @@ def test_checkpoint_applies_update_once_under_grad(jit):
         return block(w)
 
     grad = jax.grad(loss)
-    grad = jax.jit(grad) if jit else grad
+    grad = jit(grad) if compiled else grad
     for step in range(1, 4):
         g = grad(1.0, 2.0)
         # The gradient uses the value read in the forward pass, not a replayed one.
@@ -124,7 +127,7 @@ def test_checkpoint_applies_update_once_under_grad(jit):
 
 def test_checkpoint_without_grad():
     count = jaxstate.StateIndex(init=jnp.array(0))
-    f = jax.jit(jax.checkpoint(lambda x: (_incr(count), x * 2)[1]))
+    f = jit(jax.checkpoint(lambda x: (_incr(count), x * 2)[1]))
     f(1.0)
     f(2.0)
     assert count.unsafe_get() == 2
@@ -155,7 +158,7 @@ def _expected(w, x, seen):
 
 
 _grads = {
-    "jax.grad": lambda: jax.jit(jax.value_and_grad(lambda m, x: m(x))),
+    "jax.grad": lambda: jit(jax.value_and_grad(lambda m, x: m(x))),
     "eqx.filter_grad": lambda: eqx.filter_jit(
         eqx.filter_value_and_grad(lambda m, x: m(x))
     ),
@@ -189,7 +192,7 @@ def test_no_gradient_flows_into_state():
 
     # d/dw of (stop_gradient(3w) * w) = 3w, not 6w.
     np.testing.assert_allclose(jax.grad(f)(2.0), 6.0)
-    np.testing.assert_allclose(jax.jit(jax.grad(f))(2.0), 6.0)
+    np.testing.assert_allclose(jit(jax.grad(f))(2.0), 6.0)
     assert index.unsafe_get() == 6.0
 
 
@@ -202,7 +205,7 @@ def test_vmap_inside_scan():
         jax.vmap(lambda v: jaxstate.set_state(ens, jaxstate.get_state(ens) + v))(x)
         return c, None
 
-    jax.jit(lambda xs: lax.scan(body, 0, xs))(jnp.ones((4, 3)) * jnp.arange(3.0)[None])
+    jit(lambda xs: lax.scan(body, 0, xs))(jnp.ones((4, 3)) * jnp.arange(3.0)[None])
     np.testing.assert_array_equal(ens.unsafe_get(), [0.0, 4.0, 8.0])
 
 
@@ -218,7 +221,7 @@ def test_scan_inside_vmap():
 
         return lax.scan(body, 0, xs)[1]
 
-    seen = jax.jit(jax.vmap(per_member))(jnp.arange(12.0).reshape(3, 4))
+    seen = jit(jax.vmap(per_member))(jnp.arange(12.0).reshape(3, 4))
     np.testing.assert_array_equal(seen[:, -1], [6.0, 22.0, 38.0])
     np.testing.assert_array_equal(ens.unsafe_get(), [6.0, 22.0, 38.0])
 
@@ -228,7 +231,7 @@ def test_cond_inside_vmap_with_unbatched_predicate():
         jnp.arange(2)
     )
 
-    @jax.jit
+    @jit
     def step(p, v):
         jax.vmap(lambda v: lax.cond(p, lambda: _incr(ens, v), lambda: None))(v)
 
@@ -246,10 +249,10 @@ def test_cond_with_per_member_predicate_is_refused_clearly():
         lax.cond(p, lambda: _incr(ens), lambda: None)
 
     with pytest.raises(NotImplementedError, match="jnp.where"):
-        jax.jit(jax.vmap(f))(jnp.array([True, False]))
+        jit(jax.vmap(f))(jnp.array([True, False]))
     np.testing.assert_array_equal(ens.unsafe_get(), [0, 0])
     # The suggested rewrite works.
-    jax.jit(
+    jit(
         jax.vmap(
             lambda p: jaxstate.set_state(
                 ens, jnp.where(p, jaxstate.get_state(ens) + 1, jaxstate.get_state(ens))

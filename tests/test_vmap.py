@@ -11,6 +11,9 @@ import pytest
 import jaxstate
 
 
+jit = jax.jit  # swapped for each implementation by conftest.py
+
+
 def _members(n, value):
     return eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=value))(jnp.arange(n))
 
@@ -36,8 +39,8 @@ def test_first_set_under_nested_vmap_and_in_axes():
     np.testing.assert_array_equal(index.unsafe_get(), jnp.swapaxes(xs, 1, 2))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_each_member_sees_its_slice(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_each_member_sees_its_slice(compiled):
     index = _members(3, jnp.zeros(2))
 
     def step(v):
@@ -46,7 +49,7 @@ def test_each_member_sees_its_slice(jit):
         return old
 
     step = jax.vmap(step)
-    step = jax.jit(step) if jit else step
+    step = jit(step) if compiled else step
     v = jnp.arange(6.0).reshape(3, 2)
     np.testing.assert_array_equal(step(v), jnp.zeros((3, 2)))
     np.testing.assert_array_equal(step(v), v)
@@ -67,7 +70,7 @@ def test_nested_vmap_state():
         jaxstate.set_state(index, jaxstate.get_state(index) + v)
 
     v = jnp.arange(6.0).reshape(2, 3)
-    jax.jit(jax.vmap(jax.vmap(step)))(v)
+    jit(jax.vmap(jax.vmap(step)))(v)
     jax.vmap(jax.vmap(step))(v)
     np.testing.assert_array_equal(index.unsafe_get(), 2 * v)
 
@@ -82,7 +85,7 @@ def test_extra_vmap_reads_broadcast_and_reduced_writes_land():
         return x - stats
 
     xs = jnp.arange(8.0).reshape(4, 2)
-    out = jax.jit(jax.vmap(per_example, axis_name="batch"))(xs)
+    out = jit(jax.vmap(per_example, axis_name="batch"))(xs)
     np.testing.assert_array_equal(out, xs)
     np.testing.assert_array_equal(index.unsafe_get(), xs.mean(0))
     out = jax.vmap(per_example, axis_name="batch")(xs)
@@ -97,29 +100,29 @@ def test_ensemble_of_batch_stats_under_two_vmaps():
         jaxstate.set_state(index, jaxstate.get_state(index) + lax.pmean(x, "batch"))
 
     xs = jnp.array([[1.0, 3.0], [10.0, 30.0]])
-    jax.jit(jax.vmap(jax.vmap(per_example, axis_name="batch")))(xs)
+    jit(jax.vmap(jax.vmap(per_example, axis_name="batch")))(xs)
     np.testing.assert_array_equal(index.unsafe_get(), [2.0, 20.0])
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_per_example_write_under_extra_vmap_raises(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_per_example_write_under_extra_vmap_raises(compiled):
     index = jaxstate.StateIndex(init=jnp.zeros(2))
     f = jax.vmap(lambda v: jaxstate.set_state(index, v))
     with pytest.raises(RuntimeError, match="one slot for many values"):
-        (jax.jit(f) if jit else f)(jnp.ones((4, 2)))
+        (jit(f) if compiled else f)(jnp.ones((4, 2)))
     np.testing.assert_array_equal(index.unsafe_get(), jnp.zeros(2))
 
 
 @pytest.mark.parametrize("op", ["get", "set"])
-@pytest.mark.parametrize("jit", [False, True])
-def test_fewer_vmaps_than_batch_axes_raises(op, jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fewer_vmaps_than_batch_axes_raises(op, compiled):
     index = _members(3, jnp.zeros(2))
     if op == "get":
         f = lambda: jaxstate.get_state(index)  # noqa: E731
     else:
         f = lambda: jaxstate.set_state(index, jnp.ones(2))  # noqa: E731
     with pytest.raises(RuntimeError, match="under 0 vmap"):
-        (jax.jit(f) if jit else f)()
+        (jit(f) if compiled else f)()
     np.testing.assert_array_equal(index.unsafe_get(), jnp.zeros((3, 2)))
 
 
@@ -131,7 +134,7 @@ def test_vmap_size_mismatch_raises(op):
     else:
         f = lambda v: jaxstate.set_state(index, v)  # noqa: E731
     with pytest.raises(RuntimeError, match=r"sizes \(3\).*sizes \(4\)"):
-        jax.jit(jax.vmap(f))(jnp.ones((4, 2)))
+        jit(jax.vmap(f))(jnp.ones((4, 2)))
     np.testing.assert_array_equal(index.unsafe_get(), jnp.zeros((3, 2)))
 
 
@@ -161,14 +164,14 @@ class Member(eqx.Module):
         return total
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_ensemble_keeps_one_state_per_member(jit):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ensemble_keeps_one_state_per_member(compiled):
     keys = jax.random.split(jax.random.key(0), 4)
     ensemble = eqx.filter_vmap(Member)(keys)
     assert ensemble.w.shape == (4, 3)
     np.testing.assert_array_equal(ensemble.total.unsafe_get(), jnp.zeros((4, 3)))
     call = eqx.filter_vmap(lambda m, x: m(x))
-    call = eqx.filter_jit(call) if jit else call
+    call = eqx.filter_jit(call) if compiled else call
     xs = jnp.arange(12.0).reshape(4, 3)
     call(ensemble, xs)
     out = call(ensemble, xs)

@@ -7,7 +7,7 @@ from jaxtyping import Array, PyTree
 
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
-from ._storage import Storage
+from ._storage import check_not_passed_in, Storage
 from ._vmap import (
     check_vmaps,
     in_while_cond,
@@ -88,6 +88,7 @@ def _create(storage: Storage, leaves, treedef, fn: str) -> None:
 
 def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
     storage = index._handle.get()
+    check_not_passed_in(storage, fn)
     leaves, treedef = _flatten_arrays(state, fn, "state")
     if storage.refs is None:
         _create(storage, leaves, treedef, fn)
@@ -178,6 +179,7 @@ def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Ar
     """
     _check_index(index, "get_state")
     storage = index._handle.get()
+    check_not_passed_in(storage, "get_state")
     flag_value(index.inference, "StateIndex")
     if storage.refs is None:
         raise RuntimeError(

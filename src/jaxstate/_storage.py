@@ -10,8 +10,11 @@ only weak references. Every live `Handle` keeps its storage alive; the storage d
 with the last copy of its index. See docs/design.md, "Lifetime".
 """
 
+import contextlib
 import itertools
+import threading
 import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
@@ -19,6 +22,7 @@ from jax._src import core
 
 
 _ids = itertools.count()
+_signature_ids: dict[Any, int] = {}
 
 
 class Storage:
@@ -36,6 +40,7 @@ class Storage:
         "treedef",
         "member_avals",
         "batch_shape",
+        "_signature_id",
         "__weakref__",
     )
 
@@ -46,6 +51,30 @@ class Storage:
         self.treedef: Any = None
         self.member_avals: tuple[core.ShapedArray, ...] = ()
         self.batch_shape: tuple[int, ...] = ()
+        self._signature_id = 0
+
+    @property
+    def signature_id(self) -> int:
+        """A small integer naming everything about this state that compiled code
+        depends on (structure, shapes, dtypes, batch axes); 0 while unset."""
+        if self._signature_id == 0 and self.refs is not None:
+            signature = (self.treedef, self.member_avals, self.batch_shape)
+            # One entry per distinct *type* of state, however many states there are.
+            self._signature_id = _signature_ids.setdefault(
+                signature, len(_signature_ids) + 1
+            )
+        return self._signature_id
+
+    @classmethod
+    def proxy(cls, real: "Storage", refs: tuple[Any, ...]) -> "Storage":
+        """A stand-in used while tracing `jaxstate.jit`: same type, local refs."""
+        self = cls()
+        if real.refs is not None:
+            self.treedef = real.treedef
+            self.member_avals = real.member_avals
+            self.batch_shape = real.batch_shape
+            self.refs = refs
+        return self
 
     def describe(self) -> str:
         if self.refs is None:
@@ -97,11 +126,14 @@ class Handle:
         self.storage = storage
 
     @classmethod
-    def new(cls) -> "Handle":
-        storage = Storage()
+    def of(cls, storage: Storage) -> "Handle":
         key = Key(storage)
         key.take()
         return cls(key, storage)
+
+    @classmethod
+    def new(cls) -> "Handle":
+        return cls.of(Storage())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Handle) and other.key == self.key
@@ -129,3 +161,32 @@ def _flatten(handle: Handle):
 
 
 jtu.register_pytree_node(Handle, _flatten, lambda key, _: Handle(key, key.take()))
+
+
+#
+# While `jaxstate.jit` traces, the states passed in its arguments are replaced by
+# stand-ins (proxies) holding local references. Reaching one of those states through
+# another path (an index the function closes over) would read and write a different
+# copy, so it is refused.
+#
+_tracing = threading.local()
+
+
+@contextlib.contextmanager
+def passed_in(storages: Sequence[Storage]) -> Iterator[None]:
+    previous = getattr(_tracing, "ids", frozenset())
+    _tracing.ids = previous | {s.id for s in storages}
+    try:
+        yield
+    finally:
+        _tracing.ids = previous
+
+
+def check_not_passed_in(storage: Storage, fn: str) -> None:
+    if storage.id in getattr(_tracing, "ids", ()):
+        raise RuntimeError(
+            f"`{fn}` reached a state that is also passed in the arguments of the "
+            "enclosing `jaxstate.jit` function, through an index the function closes "
+            "over. The two paths would see different copies; pass the model as an "
+            "argument only (or only close over it)."
+        )

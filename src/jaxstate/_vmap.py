@@ -214,7 +214,13 @@ def new_refs_eager(leaves: Sequence) -> tuple[jax.Array, ...]:
             trace = trace.parent_trace
         # Allocate outside the vmaps: a reference made under vmap would be batched.
         with core.set_current_trace(trace):
-            out.append(jax.new_ref(jnp.array(x, copy=True), kind="no_grad_no_remat"))
+            x = jnp.array(x, copy=True)
+            # Strongly typed and committed, like every buffer a compiled call
+            # returns: so the first `jaxstate.jit` call and later ones share one
+            # compilation.
+            x = jax.lax.convert_element_type(x, x.dtype)
+            x = jax.device_put(x, x.sharding)
+            out.append(jax.new_ref(x, kind="no_grad_no_remat"))
     return tuple(out)
 
 

@@ -1,0 +1,66 @@
+"""The digits demo (examples/train_digits.py) trains, evaluates and reports."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+pytest.importorskip("sklearn")
+pytest.importorskip("tqdm")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture(scope="module")
+def train_digits():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_digits
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return train_digits
+
+
+def test_demo_trains(train_digits):
+    epochs = 5
+    result = train_digits.main(["--epochs", str(epochs), "--quiet"])
+    steps_per_epoch = int(0.8 * 1797) // 128
+    assert result["steps"] == epochs * steps_per_epoch
+    assert result["test_accuracy"] >= 0.9
+    assert result["train_accuracy"] >= 0.9
+    assert np.isfinite(result["ms_per_step"]) and result["ms_per_step"] > 0
+    assert result["final_loss"] < 0.5
+
+    # The running statistics were updated in place, once per training step (and not
+    # by the evaluation, which ran in inference mode), and moved away from their
+    # initial values (mean 0, variance 1).
+    model = result["model"]
+    assert result["bn1_counter"] == result["steps"]
+    assert int(model.bn2.counter.unsafe_get()) == result["steps"]
+    mean, var = result["bn1_running_mean"], result["bn1_running_var"]
+    assert mean.shape == var.shape == (16,)
+    assert np.abs(mean).max() > 1e-2
+    assert np.abs(var - 1).max() > 1e-2
+    hidden_mean, _ = model.bn1.batch_state.unsafe_get()
+    assert np.abs(np.asarray(hidden_mean)).max() > 1e-2
+    # The returned model is the training one; the evaluation used a switched copy.
+    assert not model.bn1.inference
+
+
+def test_demo_prints_summary(train_digits, capsys):
+    train_digits.main(["--epochs", "1"])
+    out = capsys.readouterr().out
+    assert "test accuracy:" in out
+    assert "ms per train step:" in out
+    assert "bn1 running mean after 11 steps" in out
+
+
+def test_demo_flags(train_digits):
+    args = train_digits.parse_args([])
+    assert args.epochs >= 15 and args.batch_size == 128 and not args.quiet
+    args = train_digits.parse_args(["--epochs", "2", "--seed", "3", "--quiet"])
+    assert (args.epochs, args.seed, args.quiet) == (2, 3, True)
+    with pytest.raises(SystemExit):
+        train_digits.parse_args(["--no-such-flag"])
