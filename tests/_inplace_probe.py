@@ -28,7 +28,10 @@ def main(nbytes: int, mode: str) -> None:
         jaxstate.set_state(index, new)
         return jnp.max(new)
 
-    if mode == "closed":
+    if mode == "jaxstate":
+        f = jaxstate.jit(step)
+        call = lambda: f(index)  # noqa: E731
+    elif mode == "closed":
         f = jax.jit(lambda: step(index))
         call = f
     else:

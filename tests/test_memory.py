@@ -72,7 +72,7 @@ def test_compiled_code_has_no_callbacks_and_no_state_copies(name):
     fn(*args)  # and it runs
 
 
-@pytest.mark.parametrize("mode", ["arg", "closed"])
+@pytest.mark.parametrize("mode", ["arg", "closed", "jaxstate"])
 def test_stepping_a_256_mib_state_is_in_place(mode):
     nbytes = 256 * MiB
     probe = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")

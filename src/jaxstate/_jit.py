@@ -211,7 +211,7 @@ def jit(*, donate: _Donate = "none", **jitkwargs) -> Callable[[_F], _F]: ...
 def jit(fun: _F, *, donate: _Donate = "none", **jitkwargs) -> _F: ...
 
 
-def jit(fun=None, *, donate: _Donate = "none", **jitkwargs):
+def jit(fun=None, *, donate: _Donate = "none", **jitkwargs) -> Any:
     """Compiles a function that reads and writes state, with a fast per-call path.
 
     A drop-in for `equinox.filter_jit`: every array (JAX or NumPy) in the arguments
