@@ -192,3 +192,9 @@ def test_bad_options():
         jaxstate.jit(lambda x: x, donate="some")  # pyright: ignore
     with pytest.raises(ValueError, match="static_argnums"):
         jaxstate.jit(lambda x: x, static_argnums=0)
+
+
+def test_donate_all_except_first():
+    a, b = jnp.ones(3), jnp.ones(3)
+    jaxstate.jit(lambda a, b: a + b, donate="all-except-first")(a, b)
+    assert not a.is_deleted() and b.is_deleted()

@@ -12,6 +12,7 @@ See docs/design.md, "jaxstate.jit".
 """
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
@@ -92,12 +93,14 @@ class _Compiled:
 
     def __init__(self, wrapper: "_JitWrapper", key):
         self.treedef, self.spec = key
-        donate = (0, 1) if wrapper.donate_args else (1,)
+        # Arguments: (kept arrays, donated arrays, state buffers, unused).
+        donate = (1, 2)
         self.jitted = jax.jit(self._inner, donate_argnums=donate, **wrapper.jitkwargs)
         # The real storages of the call being traced; set only around a call.
         self.passed: list[Storage] = []
 
-    def _inner(self, arrays, bufs, _):
+    def _inner(self, kept, donated, bufs, _):
+        arrays = [*kept, *donated]
         # `bufs[slot]` holds the stacked leaves of each distinct state.
         proxies = [
             Storage.proxy(real, tuple(jax.new_ref(b) for b in slot_bufs))
@@ -152,9 +155,10 @@ class _JitWrapper:
                     "keeps every non-array static and traces every array."
                 )
         self.fun = fun
-        # Argument donation is all or nothing here; the first argument is usually
-        # the model, whose arrays are new every step anyway.
-        self.donate_args = donate in ("all", "warn")
+        self.donate = donate
+        # As in `eqx.filter_jit`: "all" variants hide JAX's warning about donated
+        # buffers it could not reuse, "warn" variants show it.
+        self.hide_warning = donate in ("all", "all-except-first")
         self.jitkwargs = jitkwargs
         self.cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fun)  # pyright: ignore
@@ -168,16 +172,31 @@ class _JitWrapper:
             [r._refs._buf for r in s.refs] if s.refs is not None else []
             for s in storages
         ]
-        return compiled, arrays, bufs, storages
+        if self.donate == "none":
+            kept, donated = arrays, []
+        elif self.donate in ("all", "warn"):
+            kept, donated = [], arrays
+        else:  # all but the arrays of `fun` and the first argument
+            n = sum(
+                isinstance(x, _ARRAY_TYPES)
+                for x in jtu.tree_leaves((self.fun, args[:1]), is_leaf=_is_handle)
+            )
+            kept, donated = arrays[:n], arrays[n:]
+        return compiled, (kept, donated, bufs, None), storages
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        compiled, arrays, bufs, storages = self._prepare(args, kwargs)
+        compiled, call_args, storages = self._prepare(args, kwargs)
         compiled.passed = storages
         try:
-            out_arrays, static, new_bufs = compiled.jitted(arrays, bufs, None)
+            if self.hide_warning:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Some donated buffers")
+                    out_arrays, static, new_bufs = compiled.jitted(*call_args)
+            else:
+                out_arrays, static, new_bufs = compiled.jitted(*call_args)
         finally:
             compiled.passed = []
         for storage, slot_bufs in zip(storages, new_bufs, strict=True):
@@ -190,10 +209,10 @@ class _JitWrapper:
 
     def lower(self, *args, **kwargs):
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
-        compiled, arrays, bufs, storages = self._prepare(args, kwargs)
+        compiled, call_args, storages = self._prepare(args, kwargs)
         compiled.passed = storages
         try:
-            return compiled.jitted.lower(arrays, bufs, None)
+            return compiled.jitted.lower(*call_args)
         finally:
             compiled.passed = []
 
@@ -226,9 +245,11 @@ def jit(fun=None, *, donate: _Donate = "none", **jitkwargs) -> Any:
 
     - `fun`: the function to compile. May be used as a decorator, with or without
         arguments.
-    - `donate`: as in `eqx.filter_jit`: `"none"` (default), or `"all"`/`"warn"` to
-        donate the argument arrays too. State buffers are always donated.
-        `"all-except-first"`/`"warn-except-first"` donate only state buffers.
+    - `donate`: which argument arrays to donate, as in `eqx.filter_jit`:
+        `"none"` (default), `"all"`, or `"all-except-first"` (all but those of the
+        first argument); the `"warn"`/`"warn-except-first"` variants also show
+        JAX's warning about donated buffers it could not reuse. State buffers are
+        always donated: they belong to jaxstate, and are replaced after the call.
     - `**jitkwargs`: passed on to `jax.jit` (not `static_argnums`,
         `static_argnames` or `donate_argnums`).
 
