@@ -1,0 +1,45 @@
+"""The README's code runs and prints what it says."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+
+def _python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_seed_example_prints_what_the_comments_say(capsys):
+    block = _python_blocks()[0]
+    exec(block, {})
+    expected = re.findall(r"# (last_x=.*)", block)
+    assert capsys.readouterr().out.splitlines() == expected
+
+
+def test_ensemble_example():
+    import equinox as eqx
+
+    import jaxstate
+
+    block = next(b for b in _python_blocks() if "class Member" in b)
+    namespace = {"eqx": eqx, "jax": jax, "jnp": jnp, "jaxstate": jaxstate}
+    exec(block, namespace)
+    ensemble = namespace["ensemble"]
+    np.testing.assert_allclose(ensemble.total.unsafe_get(), ensemble.w, rtol=1e-6)
+
+
+def test_batch_norm_example():
+    import jaxstate
+
+    block = next(b for b in _python_blocks() if "jaxstate.nn.BatchNorm(16" in b)
+    x = jax.random.normal(jax.random.key(0), (8, 16, 4))
+    namespace = {"jax": jax, "jaxstate": jaxstate, "x": x}
+    exec(block, namespace)
+    assert namespace["y"].shape == x.shape
+    assert namespace["bn"].counter.unsafe_get() == 1
