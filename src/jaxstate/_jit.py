@@ -21,7 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax._src import core
 
-from ._storage import Handle, passed_in, Storage
+from ._storage import Handle, passed_in, state_lock, Storage
 from ._vmap import is_eager
 
 
@@ -86,6 +86,11 @@ def _rebuild(spec, arrays, handles):
         else s
         for s in spec
     ]
+
+
+def _buffers(storages: list[Storage]) -> list[list[jax.Array]]:
+    # The arrays inside the references, read without a copy: they are donated.
+    return [[r._refs._buf for r in s.refs] if s.refs else [] for s in storages]
 
 
 class _Compiled:
@@ -168,10 +173,6 @@ class _JitWrapper:
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self.cache[key] = _Compiled(self, key)
-        bufs = [
-            [r._refs._buf for r in s.refs] if s.refs is not None else []
-            for s in storages
-        ]
         if self.donate == "none":
             kept, donated = arrays, []
         elif self.donate in ("all", "warn"):
@@ -182,39 +183,46 @@ class _JitWrapper:
                 for x in jtu.tree_leaves((self.fun, args[:1]), is_leaf=_is_handle)
             )
             kept, donated = arrays[:n], arrays[n:]
-        return compiled, (kept, donated, bufs, None), storages
+        return compiled, kept, donated, storages
+
+    def _run(self, compiled: _Compiled, kept, donated, storages):
+        compiled.passed = storages
+        try:
+            bufs = _buffers(storages)
+            if self.hide_warning:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Some donated buffers")
+                    return compiled.jitted(kept, donated, bufs, None)
+            return compiled.jitted(kept, donated, bufs, None)
+        finally:
+            compiled.passed = []
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        compiled, call_args, storages = self._prepare(args, kwargs)
-        compiled.passed = storages
-        try:
-            if self.hide_warning:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "Some donated buffers")
-                    out_arrays, static, new_bufs = compiled.jitted(*call_args)
-            else:
-                out_arrays, static, new_bufs = compiled.jitted(*call_args)
-        finally:
-            compiled.passed = []
-        for storage, slot_bufs in zip(storages, new_bufs, strict=True):
-            if storage.refs is not None:
-                for ref, buf in zip(storage.refs, slot_bufs, strict=True):
-                    ref._refs._buf = buf
+        compiled, kept, donated, storages = self._prepare(args, kwargs)
+        # Reading the buffers, dispatching, and swapping the results in is one step
+        # for other threads: none may read a buffer this call is about to donate.
+        with state_lock:
+            out_arrays, static, new_bufs = self._run(compiled, kept, donated, storages)
+            for storage, slot_bufs in zip(storages, new_bufs, strict=True):
+                if storage.refs is not None:
+                    for ref, buf in zip(storage.refs, slot_bufs, strict=True):
+                        ref._refs._buf = buf
         out_treedef, out_spec, has_handles = static.value
         handles = [Handle.of(s) for s in storages] if has_handles else []
         return jtu.tree_unflatten(out_treedef, _rebuild(out_spec, out_arrays, handles))
 
     def lower(self, *args, **kwargs):
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
-        compiled, call_args, storages = self._prepare(args, kwargs)
-        compiled.passed = storages
-        try:
-            return compiled.jitted.lower(*call_args)
-        finally:
-            compiled.passed = []
+        compiled, kept, donated, storages = self._prepare(args, kwargs)
+        with state_lock:
+            compiled.passed = storages
+            try:
+                return compiled.jitted.lower(kept, donated, _buffers(storages), None)
+            finally:
+                compiled.passed = []
 
     def __get__(self, instance, owner):
         if instance is None:

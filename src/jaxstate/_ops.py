@@ -7,7 +7,7 @@ from jaxtyping import Array, PyTree
 
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
-from ._storage import check_not_passed_in, Storage
+from ._storage import check_not_passed_in, state_lock, Storage
 from ._vmap import (
     check_vmaps,
     in_while_cond,
@@ -97,8 +97,9 @@ def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
     assert storage.refs is not None
     n_extra = check_vmaps(storage.batch_shape, fn)
     if is_eager():
-        for ref, leaf in zip(storage.refs, leaves, strict=True):
-            ref[...] = jnp.asarray(leaf)
+        with state_lock:
+            for ref, leaf in zip(storage.refs, leaves, strict=True):
+                ref[...] = jnp.asarray(leaf)
         return
     # Build every stacked value before writing any, so that a failure leaves the
     # stored state untouched.
@@ -192,7 +193,9 @@ def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Ar
         _check_against_storage(storage, leaves, treedef, "get_state", "like")
     n_extra = check_vmaps(storage.batch_shape, "get_state")
     if is_eager():
-        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+        with state_lock:
+            values = [r[...] for r in storage.refs]
+        return jtu.tree_unflatten(storage.treedef, values)
     if in_while_cond():
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
