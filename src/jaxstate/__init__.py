@@ -8,6 +8,14 @@ from ._inference import tree_inference as tree_inference
 from ._jit import jit as jit
 from ._loops import while_loop as while_loop
 from ._ops import get_state as get_state, set_state as set_state
+from ._serialise import (
+    deserialise_filter_spec as deserialise_filter_spec,
+    is_state_index as is_state_index,
+    load as load,
+    save as save,
+    serialise_filter_spec as serialise_filter_spec,
+)
+from ._state_dict import load_state_dict as load_state_dict, state_dict as state_dict
 
 
 __version__ = importlib.metadata.version("jaxstate")

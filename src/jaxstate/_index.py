@@ -2,7 +2,6 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
-import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from ._flag import flag_value, to_flag
@@ -89,20 +88,26 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         A `RuntimeError` if no state has been set, or if called inside a transform.
         """
-        storage = self._handle.get()
-        if storage.refs is None:
-            raise RuntimeError(
-                "Cannot get state before it has been set: call "
-                "`jaxstate.set_state(index, value)` first."
-            )
-        from ._vmap import is_eager
+        from ._ops import get_stacked
 
-        if not is_eager():
-            raise RuntimeError(
-                "`StateIndex.unsafe_get()` reads the stored value directly and only "
-                "works outside jit/vmap/grad; inside them use `jaxstate.get_state`."
-            )
-        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+        return get_stacked(self)
+
+    def unsafe_set(self, value: PyTree[Array]) -> None:
+        """Replaces the whole stored value, with any vmap batch axes in front.
+
+        The counterpart of `unsafe_get`, for loading checkpoints or statistics from
+        elsewhere; allowed in inference mode. Outside of transforms only.
+
+        **Raises:**
+
+        `TypeError` for a non-array leaf; `RuntimeError` if no state has been set,
+        if called inside a transform, or if the structure, a shape (batch axes
+        included) or a dtype differs from the stored state. On error nothing is
+        written.
+        """
+        from ._ops import set_stacked
+
+        set_stacked(self, value)
 
     def __repr__(self) -> str:
         storage = self._handle.storage

@@ -65,7 +65,7 @@ def _flatten(tree):
             arrays.append(leaf)
             spec.append(_ARRAY)
         elif type(leaf) is Handle:
-            storage = leaf.get()
+            storage = leaf.storage or leaf.get()  # `get` raises the freed error
             slot = slot_of.get(storage.id)
             if slot is None:
                 slot = slot_of[storage.id] = len(storages)

@@ -214,3 +214,51 @@ def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Ar
         for ref in storage.refs
     ]
     return jtu.tree_unflatten(storage.treedef, out)
+
+
+def _eager_storage(index: StateIndex, fn: str) -> Storage:
+    _check_index(index, fn)
+    storage = index._handle.get()
+    if storage.refs is None:
+        raise RuntimeError(
+            "Cannot get state before it has been set: call "
+            "`jaxstate.set_state(index, value)` first."
+        )
+    if not is_eager():
+        raise RuntimeError(
+            f"`{fn}` reads or writes the stored value directly and only works "
+            "outside jit/vmap/grad; inside them use `jaxstate.get_state` and "
+            "`jaxstate.set_state`."
+        )
+    return storage
+
+
+def get_stacked(index: StateIndex) -> PyTree[Array]:
+    storage = _eager_storage(index, "StateIndex.unsafe_get")
+    assert storage.refs is not None
+    with state_lock:
+        values = [r[...] for r in storage.refs]
+    return jtu.tree_unflatten(storage.treedef, values)
+
+
+def set_stacked(index: StateIndex, value: PyTree[Array]) -> None:
+    storage = _eager_storage(index, "StateIndex.unsafe_set")
+    assert storage.refs is not None
+    leaves, treedef = _flatten_arrays(value, "StateIndex.unsafe_set", "value")
+    if treedef != storage.treedef:
+        raise RuntimeError(
+            f"`value` passed to `StateIndex.unsafe_set` has PyTree structure "
+            f"{treedef}, but the stored state has structure {storage.treedef}."
+        )
+    for i, (leaf, ref) in enumerate(zip(leaves, storage.refs, strict=True)):
+        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        if shape != ref.shape or dtype != ref.dtype:
+            raise RuntimeError(
+                f"`value` passed to `StateIndex.unsafe_set` has a leaf {i} of "
+                f"{_aval_text(shape, dtype)}, but the stored state has "
+                f"{_aval_text(ref.shape, ref.dtype)} (vmap batch axes first). Cast "
+                "or reshape the value to match."
+            )
+    with state_lock:
+        for ref, leaf in zip(storage.refs, leaves, strict=True):
+            ref[...] = jnp.asarray(leaf)

@@ -1,0 +1,212 @@
+"""Checkpoints include the state: state_dict, save/load, Equinox serialisation."""
+
+import io
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+
+
+class Model(eqx.Module):
+    linear: eqx.nn.Linear
+    bn: jaxstate.nn.BatchNorm
+    seen: jaxstate.StateIndex
+
+    def __init__(self, key, dtype=jnp.float32):
+        self.linear = eqx.nn.Linear(3, 4, key=key)
+        self.bn = jaxstate.nn.BatchNorm(4, "batch")
+        self.seen = jaxstate.StateIndex(
+            init={"count": jnp.array(0), "last": jnp.zeros(3, dtype)}
+        )
+
+    def __call__(self, x):
+        seen = jaxstate.get_state(self.seen)
+        jaxstate.set_state(
+            self.seen,
+            {"count": seen["count"] + 1, "last": x[0].astype(seen["last"].dtype)},
+        )
+        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+
+
+def _trained(key=0, steps=3, dtype=jnp.float32):
+    model = Model(jax.random.key(key), dtype)
+    step = jaxstate.jit(lambda m, x: m(x))
+    for i in range(steps):
+        step(model, jax.random.normal(jax.random.key(100 + i), (8, 3)))
+    return model
+
+
+def _assert_same(a, b):
+    da, db = jaxstate.state_dict(a), jaxstate.state_dict(b)
+    assert list(da) == list(db)
+    for name in da:
+        assert da[name].dtype == db[name].dtype, name
+        np.testing.assert_array_equal(
+            np.asarray(da[name]), np.asarray(db[name]), err_msg=name
+        )
+
+
+def test_state_dict_is_flat_and_readable():
+    model = _trained()
+    names = list(jaxstate.state_dict(model))
+    assert names == [
+        "linear.weight",
+        "linear.bias",
+        "bn.weight",
+        "bn.bias",
+        "bn.counter",
+        "bn.batch_state[0]",
+        "bn.batch_state[1]",
+        "seen['count']",
+        "seen['last']",
+    ]
+    assert jaxstate.state_dict(model)["bn.counter"] == 3
+    assert jaxstate.state_dict(model)["seen['count']"] == 3
+
+
+def test_load_state_dict_into_a_fresh_model():
+    trained = _trained()
+    fresh = Model(jax.random.key(1))
+    loaded = jaxstate.load_state_dict(fresh, jaxstate.state_dict(trained))
+    _assert_same(loaded, trained)
+    # State is loaded in place: the fresh model sees it too.
+    assert fresh.bn.counter.unsafe_get() == 3
+    x = jax.random.normal(jax.random.key(3), (8, 4))
+
+    def infer(m):
+        return jax.vmap(jaxstate.tree_inference(m, True).bn, axis_name="batch")(x)
+
+    np.testing.assert_array_equal(infer(loaded), infer(trained))
+
+
+def test_load_statistics_from_elsewhere():
+    # E.g. a PyTorch BatchNorm's running_mean / running_var, renamed.
+    bn = jaxstate.nn.BatchNorm(3, "batch")
+    mean, var = (
+        np.array([1.0, 2.0, 3.0], np.float32),
+        np.array([4.0, 1.0, 0.25], np.float32),
+    )
+    bn = jaxstate.load_state_dict(
+        bn,
+        {
+            "batch_state[0]": mean,
+            "batch_state[1]": var,
+            "counter": np.array(0, np.int32),
+        },
+        strict=False,
+    )
+    x = jnp.arange(6.0).reshape(2, 3)
+    y = jax.vmap(jaxstate.tree_inference(bn, True), axis_name="batch")(x)
+    np.testing.assert_allclose(
+        y, (x - mean[None]) / np.sqrt(var[None] + 1e-5), rtol=1e-6
+    )
+
+
+def test_mismatches_name_the_entry_and_change_nothing():
+    model = _trained()
+    before = jaxstate.state_dict(model)
+    good = dict(before)
+    cases = [
+        (
+            {**good, "bn.counter": np.zeros(2, np.int32)},
+            ValueError,
+            "'bn.counter' has shape",
+        ),
+        (
+            {**good, "seen['last']": np.zeros(3, np.float64)},
+            ValueError,
+            r"seen\['last'\].*has dtype",
+        ),
+        (
+            {k: v for k, v in good.items() if k != "bn.weight"},
+            KeyError,
+            "missing entries \\['bn.weight'\\]",
+        ),
+        (
+            {**good, "bn.running_mean": np.zeros(4)},
+            KeyError,
+            "unexpected entries \\['bn.running_mean'\\]",
+        ),
+    ]
+    for mapping, error, match in cases:
+        mapping = {**mapping, "bn.batch_state[0]": np.full(4, 9.0, np.float32)}
+        with pytest.raises(error, match=match):
+            jaxstate.load_state_dict(model, mapping)
+        _assert_same(model, model)
+        np.testing.assert_array_equal(
+            model.bn.batch_state.unsafe_get()[0], before["bn.batch_state[0]"]
+        )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_save_and_load_round_trip(tmp_path, dtype):
+    trained = _trained(dtype=dtype)
+    path = tmp_path / "model.npz"
+    jaxstate.save(path, trained)
+    loaded = jaxstate.load(path, Model(jax.random.key(5), dtype))
+    _assert_same(loaded, trained)
+    assert loaded.seen.unsafe_get()["last"].dtype == dtype
+
+
+def test_save_and_load_an_ensemble(tmp_path):
+    make = eqx.filter_vmap(lambda k: Model(k))
+    ensemble = make(jax.random.split(jax.random.key(0), 3))
+    eqx.filter_vmap(lambda m, x: m(x))(
+        ensemble, jax.random.normal(jax.random.key(1), (3, 8, 3))
+    )
+    jaxstate.save(tmp_path / "ens.npz", ensemble)
+    loaded = jaxstate.load(
+        tmp_path / "ens.npz", make(jax.random.split(jax.random.key(9), 3))
+    )
+    _assert_same(loaded, ensemble)
+    assert loaded.bn.batch_state.unsafe_get()[0].shape == (3, 4)
+
+
+def test_load_into_a_different_structure_is_an_error(tmp_path):
+    jaxstate.save(tmp_path / "m.npz", _trained())
+    other = jaxstate.nn.BatchNorm(4, "batch")
+    with pytest.raises(KeyError, match="unexpected entries"):
+        jaxstate.load(tmp_path / "m.npz", other)
+    assert other.counter.unsafe_get() == 0
+
+
+def test_interrupted_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "model.npz"
+    first = _trained(steps=1)
+    jaxstate.save(path, first)
+    original = path.read_bytes()
+
+    def crash(f, **entries):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", crash)
+    with pytest.raises(KeyboardInterrupt):
+        jaxstate.save(path, _trained(steps=2))
+    assert path.read_bytes() == original
+    assert os.listdir(tmp_path) == ["model.npz"]  # no temporary file left behind
+
+
+def test_equinox_serialisation_includes_the_state():
+    trained = _trained()
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(
+        buffer,
+        trained,
+        filter_spec=jaxstate.serialise_filter_spec,
+        is_leaf=jaxstate.is_state_index,
+    )
+    buffer.seek(0)
+    fresh = Model(jax.random.key(7))
+    loaded = eqx.tree_deserialise_leaves(
+        buffer,
+        fresh,
+        filter_spec=jaxstate.deserialise_filter_spec,
+        is_leaf=jaxstate.is_state_index,
+    )
+    _assert_same(loaded, trained)
