@@ -8,6 +8,7 @@ from ._inference import tree_inference as tree_inference
 from ._jit import jit as jit
 from ._loops import while_loop as while_loop
 from ._ops import get_state as get_state, set_state as set_state
+from ._pure import from_pure as from_pure, to_pure as to_pure
 from ._serialise import (
     deserialise_filter_spec as deserialise_filter_spec,
     is_state_index as is_state_index,

@@ -7,7 +7,7 @@ from jaxtyping import Array, PyTree
 
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
-from ._storage import check_not_passed_in, state_lock, Storage
+from ._storage import check_not_passed_in, resolve, state_lock, Storage
 from ._vmap import (
     check_vmaps,
     in_while_cond,
@@ -87,7 +87,7 @@ def _create(storage: Storage, leaves, treedef, fn: str) -> None:
 
 
 def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
-    storage = index._handle.get()
+    storage = resolve(index._handle)
     check_not_passed_in(storage, fn)
     leaves, treedef = _flatten_arrays(state, fn, "state")
     if storage.refs is None:
@@ -179,7 +179,7 @@ def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Ar
         enclosing vmaps do not match the state's batch axes.
     """
     _check_index(index, "get_state")
-    storage = index._handle.get()
+    storage = resolve(index._handle)
     check_not_passed_in(storage, "get_state")
     flag_value(index.inference, "StateIndex")
     if storage.refs is None:

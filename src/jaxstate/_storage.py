@@ -195,3 +195,26 @@ def check_not_passed_in(storage: Storage, fn: str) -> None:
             "over. The two paths would see different copies; pass the model as an "
             "argument only (or only close over it)."
         )
+
+
+#
+# While a pure function made by `jaxstate.to_pure` runs, the states it owns are
+# replaced by stand-ins holding the values passed in; `resolve` finds them.
+#
+@contextlib.contextmanager
+def redirected(mapping: dict[int, Storage]) -> Iterator[None]:
+    previous = getattr(_tracing, "redirect", None)
+    _tracing.redirect = {**(previous or {}), **mapping}
+    try:
+        yield
+    finally:
+        _tracing.redirect = previous
+
+
+def resolve(handle: Handle) -> Storage:
+    """The storage an index reads and writes right now."""
+    storage = handle.get()
+    redirect = getattr(_tracing, "redirect", None)
+    if redirect:
+        return redirect.get(storage.id, storage)
+    return storage

@@ -1,0 +1,141 @@
+"""Stateful functions as pure functions `(state, *args) -> (out, new_state)`, and
+back: for `jax.export`, optax, `pmap` and anything else that wants pure code."""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PyTree
+
+from ._index import StateIndex
+from ._storage import redirected, state_lock, Storage
+
+
+def _indices(tree) -> dict[str, Storage]:
+    """The distinct states reachable from `tree`, by the path of their first index."""
+    out: dict[str, Storage] = {}
+    seen: set[int] = set()
+    paths = jtu.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, StateIndex)
+    )
+    for path, leaf in paths[0]:
+        if isinstance(leaf, StateIndex):
+            storage = leaf._handle.get()
+            if storage.refs is None:
+                raise RuntimeError(
+                    f"The StateIndex at {jtu.keystr(path)!r} has no state yet; set it "
+                    "before making a pure function."
+                )
+            if storage.id not in seen:
+                seen.add(storage.id)
+                out[jtu.keystr(path).lstrip(".")] = storage
+    return out
+
+
+def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
+    with state_lock:
+        return {
+            name: jtu.tree_unflatten(s.treedef, [r[...] for r in s.refs or ()])
+            for name, s in storages.items()
+        }
+
+
+def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
+    """Turns a function that reads and writes the state of `tree` into a pure one.
+
+    **Arguments:**
+
+    - `fun`: any function that uses the state of `tree` (through its arguments or
+        by closing over it).
+    - `tree`: the model whose state becomes explicit.
+
+    **Returns:**
+
+    A pair `(pure_fun, state)`. `state` is the current state, a dict from the path
+    of each distinct index in `tree` to its value (stacked, for state set under
+    vmap). `pure_fun(state, *args, **kwargs)` runs `fun(*args, **kwargs)` with the
+    state taken from its `state` argument instead of from the device, and returns
+    `(out, new_state)`, leaving the stored state alone. It can be jitted, exported
+    with `jax.export`, differentiated, `pmap`ped.
+
+    **Raises:**
+
+    `RuntimeError` if an index in `tree` has no state yet; `pure_fun` raises
+    `ValueError` if `state` does not match (names, structure, shapes, dtypes).
+
+    !!! example
+
+        ```python
+        pure_step, state = jaxstate.to_pure(lambda x: model(x), model)
+        exported = jax.export.export(jax.jit(pure_step))(state, x)
+        out, state = exported.call(state, x)
+        ```
+    """
+    storages = _indices(tree)
+
+    def pure_fun(state: dict[str, PyTree], *args, **kwargs) -> tuple[Any, dict]:
+        if set(state) != set(storages):
+            raise ValueError(
+                f"`state` must have exactly the entries {sorted(storages)}, got "
+                f"{sorted(state)}."
+            )
+        proxies = {}
+        for name, storage in storages.items():
+            leaves, treedef = jtu.tree_flatten(state[name])
+            if treedef != storage.treedef:
+                raise ValueError(
+                    f"state[{name!r}] has structure {treedef}, expected "
+                    f"{storage.treedef}."
+                )
+            for leaf, ref in zip(leaves, storage.refs or (), strict=True):
+                if jnp.shape(leaf) != ref.shape or jnp.result_type(leaf) != ref.dtype:
+                    raise ValueError(
+                        f"state[{name!r}] has a leaf of {jnp.result_type(leaf)}"
+                        f"{list(jnp.shape(leaf))}, expected {ref.dtype}"
+                        f"{list(ref.shape)}."
+                    )
+            refs = tuple(jax.new_ref(jnp.asarray(x)) for x in leaves)
+            proxies[storage.id] = Storage.proxy(storage, refs)
+        with redirected(proxies):
+            out = fun(*args, **kwargs)
+        new_state = {
+            name: jtu.tree_unflatten(
+                storage.treedef, [r[...] for r in proxies[storage.id].refs]
+            )
+            for name, storage in storages.items()
+        }
+        return out, new_state
+
+    return pure_fun, _values(storages)
+
+
+def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
+    """The inverse of [`jaxstate.to_pure`][]: a stateful function that feeds the
+    current state of `tree` to `pure_fun` and stores the state it returns.
+
+    **Arguments:**
+
+    - `pure_fun`: a function `(state, *args, **kwargs) -> (out, new_state)`, with
+        `state` as returned by `to_pure(..., tree)` (for example a deserialised
+        `jax.export` artefact's `.call`).
+    - `tree`: the model whose state it uses.
+
+    **Returns:**
+
+    A function `(*args, **kwargs) -> out`, called eagerly, that updates the state of
+    `tree` in place.
+    """
+    storages = _indices(tree)
+
+    def fun(*args, **kwargs):
+        out, new_state = pure_fun(_values(storages), *args, **kwargs)
+        with state_lock:
+            for name, storage in storages.items():
+                leaves = jtu.tree_leaves(new_state[name])
+                for ref, leaf in zip(storage.refs or (), leaves, strict=True):
+                    ref[...] = leaf
+        return out
+
+    return fun

@@ -1,0 +1,126 @@
+"""Stateful functions as pure functions and back: jax.export, optax, pmap."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstate
+
+
+class Model(eqx.Module):
+    linear: eqx.nn.Linear
+    bn: jaxstate.nn.BatchNorm
+    calls: jaxstate.StateIndex
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(3, 2, key=key)
+        self.bn = jaxstate.nn.BatchNorm(2, "batch")
+        self.calls = jaxstate.StateIndex(init=jnp.array(0))
+
+    def __call__(self, x):
+        jaxstate.set_state(self.calls, jaxstate.get_state(self.calls) + 1)
+        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+
+
+x = jax.random.normal(jax.random.key(1), (8, 3))
+
+
+def _stored(model):
+    return jax.tree.map(np.asarray, jaxstate.to_pure(lambda: None, model)[1])
+
+
+def test_pure_function_returns_the_new_state_and_leaves_storage_alone():
+    model, reference = Model(jax.random.key(0)), Model(jax.random.key(0))
+    pure, state = jaxstate.to_pure(lambda v: model(v), model)
+    assert sorted(state) == ["bn.batch_state", "bn.counter", "calls"]
+    before = _stored(model)
+    for f in (pure, jax.jit(pure)):
+        out, new_state = f(state, x)
+        np.testing.assert_allclose(out, reference(x) if f is pure else out, rtol=1e-6)
+        assert new_state["calls"] == 1 and new_state["bn.counter"] == 1
+        jax.tree.map(np.testing.assert_array_equal, _stored(model), before)
+    out2, state2 = pure(new_state, x)
+    assert state2["calls"] == 2
+
+
+def test_jax_export_round_trip():
+    model = Model(jax.random.key(0))
+    pure, state = jaxstate.to_pure(lambda v: model(v), model)
+    exported = jax.export.export(jax.jit(pure))(state, x)
+    restored = jax.export.deserialize(exported.serialize())
+    out_a, state_a = pure(state, x)
+    out_b, state_b = restored.call(state, x)
+    np.testing.assert_array_equal(out_a, out_b)
+    jax.tree.map(np.testing.assert_array_equal, state_a, state_b)
+    # ... and back to a stateful function over the live model.
+    stateful = jaxstate.from_pure(restored.call, model)
+    np.testing.assert_array_equal(stateful(x), out_a)
+    assert model.calls.unsafe_get() == 1
+    np.testing.assert_array_equal(
+        model.bn.batch_state.unsafe_get()[0], state_a["bn.batch_state"][0]
+    )
+
+
+def test_optax_training_with_a_pure_step():
+    model = Model(jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    optimiser = optax.sgd(0.1)
+    opt_state = optimiser.init(params)
+
+    def loss(params, v):
+        return jnp.mean(eqx.combine(params, static)(v) ** 2)
+
+    pure_loss, state = jaxstate.to_pure(loss, model)
+
+    @jax.jit
+    def step(params, opt_state, state, v):
+        (value, state), grads = jax.value_and_grad(pure_loss, argnums=1, has_aux=True)(
+            state, params, v
+        )
+        updates, opt_state = optimiser.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, state, value
+
+    # The same training, stateful, as the reference.
+    ref_model = Model(jax.random.key(0))
+    ref_step = jaxstate.jit(
+        lambda m, v: eqx.apply_updates(
+            m,
+            jax.tree.map(
+                lambda g: -0.1 * g, eqx.filter_grad(lambda m: jnp.mean(m(v) ** 2))(m)
+            ),
+        )
+    )
+    for i in range(3):
+        v = jax.random.normal(jax.random.key(10 + i), (8, 3))
+        params, opt_state, state, _ = step(params, opt_state, state, v)
+        ref_model = ref_step(ref_model, v)
+    np.testing.assert_allclose(params.linear.weight, ref_model.linear.weight, rtol=1e-5)
+    np.testing.assert_allclose(
+        state["bn.batch_state"][0], ref_model.bn.batch_state.unsafe_get()[0], rtol=1e-5
+    )
+    assert state["calls"] == 3 and model.calls.unsafe_get() == 0
+
+
+def test_pmap_over_a_pure_function():
+    model = Model(jax.random.key(0))
+    pure, state = jaxstate.to_pure(lambda v: model(v), model)
+    n = jax.local_device_count()
+    replicated = jax.tree.map(lambda a: jnp.stack([a] * n), state)
+    out, new_state = jax.pmap(pure)(replicated, jnp.stack([x] * n))
+    single_out, single_state = pure(state, x)
+    np.testing.assert_allclose(out[0], single_out, rtol=1e-6)
+    assert (new_state["calls"] == 1).all()
+
+
+def test_bad_state_is_an_error():
+    model = Model(jax.random.key(0))
+    pure, state = jaxstate.to_pure(lambda v: model(v), model)
+    with pytest.raises(ValueError, match="exactly the entries"):
+        pure({k: v for k, v in state.items() if k != "calls"}, x)
+    with pytest.raises(ValueError, match=r"state\['calls'\] has a leaf"):
+        pure({**state, "calls": jnp.zeros(2, jnp.int32)}, x)
+    with pytest.raises(RuntimeError, match="no state yet"):
+        jaxstate.to_pure(lambda: None, jaxstate.StateIndex())
