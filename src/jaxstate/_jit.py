@@ -13,9 +13,11 @@ See docs/design.md, "jaxstate.jit".
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
+import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -54,29 +56,90 @@ _ARRAY = object()
 _HANDLE = object()
 
 
-def _flatten(tree):
-    """Flattens with handles as leaves. Returns the cache key (structure only: no
-    array values, no storages), the array leaves and the distinct storages."""
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_handle)
-    arrays, storages, spec = [], [], []
+_LEAF = jtu.tree_structure(0)
+_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
+
+
+def _kind(cls: type) -> int:
+    # `isinstance(x, jax.Array)` goes through an ABC check; per type it is cached.
+    kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kinds[cls] = (
+            _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
+        )
+    return kind
+
+
+_EMPTY_DICT = jtu.tree_structure({})
+
+
+class _Memo:
+    """Flattened forms of the arguments that are known not to have changed.
+
+    In a loop like `model = step(model, x)` the model passed in is the one the
+    previous call built from leaves it already had, so its flattening (Equinox
+    modules flatten in Python) is skipped. Only immutable `eqx.Module`s are
+    remembered, by weak reference: an entry dies with its module. The wrapped
+    function itself is flattened once.
+    """
+
+    def __init__(self, fun):
+        self.fun = jtu.tree_flatten(fun, is_leaf=_is_handle)
+        self.entries: dict[int, tuple[Any, list, Any]] = {}
+
+    def flatten(self, tree):
+        if _kind(type(tree)) == _ARRAY_KIND:
+            return [tree], _LEAF
+        entry = self.entries.get(id(tree))
+        if entry is not None and entry[0]() is tree:
+            return entry[1], entry[2]
+        return jtu.tree_flatten(tree, is_leaf=_is_handle)
+
+    def remember(self, outs: list, flats: list) -> None:
+        entries = {}
+        for out, (leaves, treedef) in zip(outs, flats, strict=True):
+            if isinstance(out, eqx.Module):
+                key = id(out)
+                drop = lambda _, key=key, entries=entries: entries.pop(key, None)  # noqa: E731
+                entries[key] = (weakref.ref(out, drop), leaves, treedef)
+        self.entries = entries
+
+
+def _flatten(fun_kwargs_args, memo: _Memo):
+    """Flattens each part with handles as leaves. Returns the structure (for the
+    cache key: no array values, no storages), the array leaves, the distinct
+    storages, the first handle seen for each, and how many arrays `fun`, the keyword
+    arguments and the first argument hold."""
+    fun, kwargs, *args = fun_kwargs_args
+    flats = [memo.fun, ([], _EMPTY_DICT) if not kwargs else memo.flatten(kwargs)]
+    flats += [memo.flatten(a) for a in args]
+    treedefs, arrays, storages, handles, spec = [], [], [], [], []
     slot_of: dict[int, int] = {}
-    for leaf in leaves:
-        if isinstance(leaf, _ARRAY_TYPES):
-            arrays.append(leaf)
-            spec.append(_ARRAY)
-        elif type(leaf) is Handle:
-            storage = leaf.storage or leaf.get()  # `get` raises the freed error
-            slot = slot_of.get(storage.id)
-            if slot is None:
-                slot = slot_of[storage.id] = len(storages)
-                storages.append(storage)
-            spec.append((_HANDLE, slot, storage.signature_id))
-        else:
-            spec.append(leaf)
-    return (treedef, tuple(spec)), arrays, storages
+    n_first = 0
+    for i, (leaves, treedef) in enumerate(flats):
+        treedefs.append(treedef)
+        for leaf in leaves:
+            kind = _kinds.get(type(leaf)) or _kind(type(leaf))
+            if kind == _ARRAY_KIND:
+                arrays.append(leaf)
+                spec.append(_ARRAY)
+            elif kind == _HANDLE_KIND:
+                storage = leaf.storage or leaf.get()  # `get` raises the freed error
+                slot = slot_of.get(storage.id)
+                if slot is None:
+                    slot = slot_of[storage.id] = len(storages)
+                    storages.append(storage)
+                    handles.append(leaf)
+                spec.append((_HANDLE, slot, storage.signature_id))
+            else:
+                spec.append(leaf)
+        if i <= 2:
+            n_first = len(arrays)
+    return (tuple(treedefs), tuple(spec)), arrays, storages, handles, n_first
 
 
-def _rebuild(spec, arrays, handles):
+def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
         next(it)
@@ -88,6 +151,15 @@ def _rebuild(spec, arrays, handles):
     ]
 
 
+def _unflatten_parts(treedefs, leaves) -> list:
+    parts, start = [], 0
+    for treedef in treedefs:
+        stop = start + treedef.num_leaves
+        parts.append(jtu.tree_unflatten(treedef, leaves[start:stop]))
+        start = stop
+    return parts
+
+
 def _buffers(storages: list[Storage]) -> list[list[jax.Array]]:
     # The arrays inside the references, read without a copy: they are donated.
     return [[r._refs._buf for r in s.refs] if s.refs else [] for s in storages]
@@ -97,47 +169,50 @@ class _Compiled:
     """One compiled function per argument structure."""
 
     def __init__(self, wrapper: "_JitWrapper", key):
-        self.treedef, self.spec = key
+        self.treedefs, self.spec = key
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
-        donate = (1, 2)
-        self.jitted = jax.jit(self._inner, donate_argnums=donate, **wrapper.jitkwargs)
+        self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **wrapper.jitkwargs)
         # The real storages of the call being traced; set only around a call.
         self.passed: list[Storage] = []
+        # Until the first call has compiled, hide JAX's warning about donated
+        # buffers it could not reuse (as `eqx.filter_jit(donate="all")` does).
+        self.fresh = True
 
     def _inner(self, kept, donated, bufs, _):
-        arrays = [*kept, *donated]
         # `bufs[slot]` holds the stacked leaves of each distinct state.
         proxies = [
             Storage.proxy(real, tuple(jax.new_ref(b) for b in slot_bufs))
             for real, slot_bufs in zip(self.passed, bufs, strict=True)
         ]
         handles = [Handle.of(p) for p in proxies]
-        leaves = _rebuild(self.spec, arrays, handles)
-        fun, args, kwargs = jtu.tree_unflatten(self.treedef, leaves)
+        leaves = _rebuild(self.spec, [*kept, *donated], handles)
+        fun, kwargs, *args = _unflatten_parts(self.treedefs, leaves)
         with passed_in(self.passed):
             out = fun(*args, **kwargs)
-        new_bufs = [
-            [r[...] for r in p.refs] if p.refs is not None else [] for p in proxies
-        ]
-        # Handles in the output that are our arguments' go back as slot numbers.
+        new_bufs = [[r[...] for r in p.refs] if p.refs else [] for p in proxies]
+        # Each element of a tuple output is flattened on its own, so that the
+        # modules among them can be remembered (see `_Memo`). Handles of our
+        # arguments' states go back as slot numbers.
         slot_of_proxy = {p.id: i for i, p in enumerate(proxies)}
-        out_leaves, out_treedef = jtu.tree_flatten(out, is_leaf=_is_handle)
-        out_arrays, out_spec, has_handles = [], [], False
-        for leaf in out_leaves:
-            if isinstance(leaf, (jax.Array, core.Tracer)):
-                out_arrays.append(leaf)
-                out_spec.append(_ARRAY)
-            elif (
-                type(leaf) is Handle
-                and leaf.storage is not None
-                and (leaf.storage.id in slot_of_proxy)
-            ):
-                out_spec.append((_HANDLE, slot_of_proxy[leaf.storage.id], None))
-                has_handles = True
-            else:
-                out_spec.append(leaf)
-        static = _Static((out_treedef, tuple(out_spec), has_handles))
-        return out_arrays, static, new_bufs
+        is_tuple = type(out) is tuple
+        out_arrays, out_static = [], []
+        for part in out if is_tuple else (out,):
+            leaves, treedef = jtu.tree_flatten(part, is_leaf=_is_handle)
+            spec = []
+            for leaf in leaves:
+                if isinstance(leaf, (jax.Array, core.Tracer)):
+                    out_arrays.append(leaf)
+                    spec.append(_ARRAY)
+                elif (
+                    type(leaf) is Handle
+                    and leaf.storage is not None
+                    and (leaf.storage.id in slot_of_proxy)
+                ):
+                    spec.append((_HANDLE, slot_of_proxy[leaf.storage.id], None))
+                else:
+                    spec.append(leaf)
+            out_static.append((treedef, tuple(spec)))
+        return out_arrays, _Static((is_tuple, tuple(out_static))), new_bufs
 
 
 class _JitWrapper:
@@ -161,62 +236,78 @@ class _JitWrapper:
                 )
         self.fun = fun
         self.donate = donate
-        # As in `eqx.filter_jit`: "all" variants hide JAX's warning about donated
-        # buffers it could not reuse, "warn" variants show it.
         self.hide_warning = donate in ("all", "all-except-first")
         self.jitkwargs = jitkwargs
         self.cache: dict[Any, _Compiled] = {}
+        self.memo = _Memo(fun)
+        self.last: tuple[Any, _Compiled] | None = None
         functools.update_wrapper(self, fun)  # pyright: ignore
 
     def _prepare(self, args, kwargs):
-        key, arrays, storages = _flatten((self.fun, args, kwargs))
-        compiled = self.cache.get(key)
-        if compiled is None:
-            compiled = self.cache[key] = _Compiled(self, key)
+        key, arrays, storages, handles, n_first = _flatten(
+            (self.fun, kwargs, *args), self.memo
+        )
+        # Most calls repeat the previous structure, often with the very same treedef
+        # objects (see `_Memo`): compare by identity before hashing.
+        last = self.last
+        if (
+            last is not None
+            and all(a is b for a, b in zip(key[0], last[0][0], strict=False))
+            and len(key[0]) == len(last[0][0])
+            and key[1] == last[0][1]
+        ):
+            compiled = last[1]
+        else:
+            compiled = self.cache.get(key)
+            if compiled is None:
+                compiled = self.cache[key] = _Compiled(self, key)
+            self.last = (key, compiled)
         if self.donate == "none":
             kept, donated = arrays, []
         elif self.donate in ("all", "warn"):
             kept, donated = [], arrays
-        else:  # all but the arrays of `fun` and the first argument
-            n = sum(
-                isinstance(x, _ARRAY_TYPES)
-                for x in jtu.tree_leaves((self.fun, args[:1]), is_leaf=_is_handle)
-            )
-            kept, donated = arrays[:n], arrays[n:]
-        return compiled, kept, donated, storages
-
-    def _run(self, compiled: _Compiled, kept, donated, storages):
-        compiled.passed = storages
-        try:
-            bufs = _buffers(storages)
-            if self.hide_warning:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "Some donated buffers")
-                    return compiled.jitted(kept, donated, bufs, None)
-            return compiled.jitted(kept, donated, bufs, None)
-        finally:
-            compiled.passed = []
+        else:  # all but the arrays of `fun`, the keyword arguments and the first
+            kept, donated = arrays[:n_first], arrays[n_first:]
+        return compiled, kept, donated, storages, handles
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        compiled, kept, donated, storages = self._prepare(args, kwargs)
+        compiled, kept, donated, storages, handles = self._prepare(args, kwargs)
         # Reading the buffers, dispatching, and swapping the results in is one step
         # for other threads: none may read a buffer this call is about to donate.
         with state_lock:
-            out_arrays, static, new_bufs = self._run(compiled, kept, donated, storages)
+            compiled.passed = storages
+            try:
+                call = (kept, donated, _buffers(storages), None)
+                if compiled.fresh and self.hide_warning:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", "Some donated buffers")
+                        out_arrays, static, new_bufs = compiled.jitted(*call)
+                else:
+                    out_arrays, static, new_bufs = compiled.jitted(*call)
+            finally:
+                compiled.passed = []
+            compiled.fresh = False
             for storage, slot_bufs in zip(storages, new_bufs, strict=True):
                 if storage.refs is not None:
                     for ref, buf in zip(storage.refs, slot_bufs, strict=True):
                         ref._refs._buf = buf
-        out_treedef, out_spec, has_handles = static.value
-        handles = [Handle.of(s) for s in storages] if has_handles else []
-        return jtu.tree_unflatten(out_treedef, _rebuild(out_spec, out_arrays, handles))
+        is_tuple, out_static = static.value
+        outs, flats, start = [], [], 0
+        for treedef, spec in out_static:
+            stop = start + sum(s is _ARRAY for s in spec)
+            leaves = _rebuild(spec, out_arrays[start:stop], handles)
+            outs.append(jtu.tree_unflatten(treedef, leaves))
+            flats.append((leaves, treedef))
+            start = stop
+        self.memo.remember(outs, flats)
+        return tuple(outs) if is_tuple else outs[0]
 
     def lower(self, *args, **kwargs):
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
-        compiled, kept, donated, storages = self._prepare(args, kwargs)
+        compiled, kept, donated, storages, _ = self._prepare(args, kwargs)
         with state_lock:
             compiled.passed = storages
             try:

@@ -1,0 +1,174 @@
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray, UInt32
+
+from .._index import StateIndex
+from .._ops import get_state, set_state
+from ._util import (
+    axis_names,
+    AxisName,
+    check_axis_name,
+    check_can_create,
+    read,
+    writable,
+    write,
+)
+
+
+def _as_key(seed_or_key) -> PRNGKeyArray:
+    if isinstance(seed_or_key, int):
+        return jax.random.key(seed_or_key)
+    x = jnp.asarray(seed_or_key)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if x.shape != ():
+            raise ValueError(
+                f"RNGStream takes a single key, got a key array of shape {x.shape}. "
+                "For one stream per key, build them under a vmap: "
+                "`eqx.filter_vmap(jaxstate.nn.RNGStream)(keys)`."
+            )
+        return x
+    if x.dtype == jnp.uint32 and x.shape == (2,):
+        # A legacy `jax.random.PRNGKey(seed)`.
+        return jax.random.wrap_key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.integer) and x.shape == ():
+        return jax.random.key(x)
+    raise TypeError(
+        "RNGStream takes an int seed or a key from `jax.random.key(seed)` (or a legacy "
+        f"`jax.random.PRNGKey`), got an array of {x.dtype}{list(x.shape)}."
+    )
+
+
+class RNGStream(eqx.Module):
+    """A source of fresh random keys, with no key to thread through your code.
+
+    Each call returns a new key, also inside `jax.jit`, `lax.scan` and `vmap`: the
+    stream stores a base key and a counter in state, and returns
+    `jax.random.fold_in(base_key, counter)` while incrementing the counter. The
+    same seed gives the same sequence of keys, eagerly and compiled alike.
+
+    !!! example
+
+        ```python
+        stream = jaxstate.nn.RNGStream(0)
+        dropout = eqx.nn.Dropout(0.5)
+
+        @jaxstate.jit
+        def step(stream, x):
+            return dropout(x, key=stream())     # a new mask every call
+
+        step(stream, x)
+        ```
+
+    **Ensembles**: `eqx.filter_vmap(jaxstate.nn.RNGStream)(jax.random.split(key, n))`
+    gives every member its own stream (and counter); call it under a vmap over the
+    members. **Batches**: under a vmap the stream was not created under (a
+    per-example vmap), pass the vmap's name, `stream(axis_name="batch")`, to give
+    every example its own key; the counter advances once per call, not per example.
+
+    Inference mode (`jaxstate.tree_inference`) does not freeze a stream: evaluation
+    that samples still needs fresh keys. To replay keys, `reset()` the stream.
+    """
+
+    state: StateIndex
+    impl: str = eqx.field(static=True)
+
+    def __init__(self, seed_or_key: int | PRNGKeyArray | UInt32[Array, "2"]):
+        """**Arguments:**
+
+        - `seed_or_key`: an `int` seed, or a key from `jax.random.key` (or a legacy
+            `jax.random.PRNGKey`). Under `eqx.filter_vmap` over a batch of keys,
+            each member gets a stream of its own.
+
+        **Raises:**
+
+        `TypeError` or `ValueError` for anything else, such as a batch of keys
+        outside a vmap.
+        """
+        key = _as_key(seed_or_key)
+        self.impl = str(jax.random.key_impl(key))
+        # Stored as plain uint32 data: state holds ordinary arrays, and the counter
+        # is uint32 because that is what `fold_in` takes.
+        key_data = jax.random.key_data(key)
+        self.state = StateIndex(init=(key_data, jnp.zeros((), jnp.uint32)))
+
+    def next(self, *, axis_name: AxisName | None = None) -> PRNGKeyArray:
+        """Returns a fresh key and advances the stream.
+
+        **Arguments:**
+
+        - `axis_name`: the name (or a tuple of names) of vmaps that the stream was
+            not created under, typically a per-example `"batch"` vmap. Every member
+            of those vmaps then gets a different key (the call's key folded with
+            `lax.axis_index`). The counter advances once per call.
+
+        **Returns:**
+
+        A new key, `jax.random.fold_in(base_key, counter)` (folded with the axis
+        indices, if `axis_name` is given).
+
+        **Raises:**
+
+        `RuntimeError` (while tracing) if called under a vmap that the stream was not
+        created under without `axis_name`: every member would get the same key.
+        `NameError` if `axis_name` names no enclosing vmap.
+        """
+        check_axis_name(
+            self.state,
+            axis_name,
+            "RNGStream.next",
+            "every member of that vmap would get the same key.",
+        )
+        key_data, counter = get_state(self.state)
+        key = jax.random.fold_in(
+            jax.random.wrap_key_data(key_data, impl=self.impl), counter
+        )
+        if axis_name is not None:
+            # Before the write: an unknown axis name raises here, leaving the stream
+            # as it was.
+            for name in axis_names(axis_name):
+                key = jax.random.fold_in(key, lax.axis_index(name))
+        set_state(writable(self.state), (key_data, counter + 1))
+        return key
+
+    def __call__(self, *, axis_name: AxisName | None = None) -> PRNGKeyArray:
+        """The same as [`RNGStream.next`][]."""
+        return self.next(axis_name=axis_name)
+
+    def split(self, n: int) -> tuple["RNGStream", ...]:
+        """Returns `n` new, independent streams, seeded from this one's next key
+        (so this stream advances by one, and splitting again gives other streams).
+
+        Creates new state, so call it eagerly (for example in a model's
+        `__init__`), not inside `jit`.
+
+        **Arguments:**
+
+        - `n`: how many streams.
+
+        **Returns:**
+
+        A tuple of `n` [`jaxstate.nn.RNGStream`][]s.
+
+        **Raises:**
+
+        `RuntimeError` inside `jit`/`scan`/`grad`, before the stream advances.
+        `ValueError` if `n` is not a positive int.
+        """
+        check_can_create("RNGStream.split")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"RNGStream.split(n) needs a positive int n, got {n!r}.")
+        keys = jax.random.split(self.next(), n)
+        return tuple(RNGStream(k) for k in keys)
+
+    def reset(self) -> None:
+        """Sets the counter back to zero: the stream replays its keys from the start.
+        Works eagerly (for every member of an ensemble at once) and inside `jit`."""
+        key_data, counter = read(self.state)
+        write(self.state, (key_data, jnp.zeros_like(counter)))
+
+    @property
+    def count(self) -> UInt32[Array, "*members"]:
+        """How many keys the stream has given (eager: one per member of an ensemble)."""
+        return read(self.state)[1]

@@ -1,0 +1,85 @@
+"""Small helpers shared by the layers of `jaxstate.nn`."""
+
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import PyTree
+
+from .._flag import flag_value
+from .._index import StateIndex
+from .._inference import tree_inference
+from .._ops import get_state, set_state
+from .._storage import resolve
+from .._vmap import is_eager, only_eager_vmaps, vmap_sizes
+
+
+AxisName = Hashable | Sequence[Hashable]
+
+
+def default_float():
+    return jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+
+
+def writable(index: StateIndex) -> StateIndex:
+    # Streams, metrics and caches are not training state: a model switched to
+    # inference with `tree_inference` (to turn off dropout, freeze BatchNorm) still
+    # draws keys, counts and decodes. Their writes go through a training-mode view
+    # of the same state.
+    if flag_value(index.inference, "StateIndex"):
+        return tree_inference(index, False)
+    return index
+
+
+def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:
+    """`"batch"` -> `("batch",)`; a tuple or list of names -> a tuple of them."""
+    if isinstance(axis_name, (tuple, list)):
+        return tuple(axis_name)
+    return (axis_name,)
+
+
+def extra_vmaps(index: StateIndex) -> int:
+    """How many of the enclosing vmaps the state was *not* created under (0 when
+    eager). Under those, every member reads the same value, and a write must be the
+    same for every member."""
+    batch_shape = resolve(index._handle).batch_shape
+    return max(0, len(vmap_sizes()) - len(batch_shape))
+
+
+def check_axis_name(
+    index: StateIndex, axis_name: AxisName | None, what: str, fix: str
+) -> None:
+    """Raises, at trace time, if `what` is called under a vmap that its state was not
+    created under and no `axis_name` says how to combine the members."""
+    if axis_name is None and extra_vmaps(index) > 0:
+        raise RuntimeError(
+            f"`{what}` was called under a vmap that its state was not created under, "
+            f"without `axis_name`: {fix} Name the vmap (`jax.vmap(f, "
+            f'axis_name="batch")`) and pass `axis_name="batch"`. (State created '
+            "under `eqx.filter_vmap`, one per member, needs no axis name.)"
+        )
+
+
+def check_can_create(what: str) -> None:
+    if not only_eager_vmaps():
+        raise RuntimeError(
+            f"`{what}` creates new state, which has to happen outside jax.jit / scan / "
+            "grad (there is no memory there that outlives the call). Call it eagerly, "
+            "for example in the model's `__init__`, and keep the result in the model."
+        )
+
+
+def read(index: StateIndex) -> PyTree:
+    """The state: eagerly the whole stored value (one slice per member of the vmaps
+    it was created under, stacked in front), else the member's value."""
+    if is_eager():
+        return index.unsafe_get()
+    return get_state(index)
+
+
+def write(index: StateIndex, value: PyTree) -> None:
+    """The counterpart of `read`: eagerly the whole stacked value."""
+    if is_eager():
+        index.unsafe_set(value)
+    else:
+        set_state(writable(index), value)
