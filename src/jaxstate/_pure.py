@@ -42,6 +42,50 @@ def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
         }
 
 
+def run_with_state(
+    storages: dict[str, Storage],
+    state: dict[str, PyTree],
+    fun: Callable,
+    args: tuple,
+    kwargs: dict,
+    whole: bool = True,
+) -> tuple[Any, dict[str, PyTree]]:
+    """Runs `fun` with the given storages' state taken from `state` (as local
+    references) instead of from the storages; returns `(out, new_state)`. With
+    `whole=False` (inside `shard_map`) the values may be blocks of the state."""
+    if set(state) != set(storages):
+        raise ValueError(
+            f"`state` must have exactly the entries {sorted(storages)}, got "
+            f"{sorted(state)}."
+        )
+    proxies = {}
+    for name, storage in storages.items():
+        leaves, treedef = jtu.tree_flatten(state[name])
+        if treedef != storage.treedef:
+            raise ValueError(
+                f"state[{name!r}] has structure {treedef}, expected {storage.treedef}."
+            )
+        refs = tuple(jax.new_ref(jnp.asarray(x)) for x in leaves)
+        for leaf, ref, local in zip(leaves, storage.refs or (), refs, strict=True):
+            if jnp.result_type(leaf) != ref.dtype or (
+                whole and local.shape != ref.shape
+            ):
+                raise ValueError(
+                    f"state[{name!r}] has a leaf of {jnp.result_type(leaf)}"
+                    f"{list(jnp.shape(leaf))}, expected {ref.dtype}{list(ref.shape)}."
+                )
+        proxies[storage.id] = Storage.proxy(storage, refs)
+    with redirected(proxies):
+        out = fun(*args, **kwargs)
+    new_state = {
+        name: jtu.tree_unflatten(
+            storage.treedef, [r[...] for r in proxies[storage.id].refs]
+        )
+        for name, storage in storages.items()
+    }
+    return out, new_state
+
+
 def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
     """Turns a function that reads and writes the state of `tree` into a pure one.
 
@@ -76,37 +120,7 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
     storages = _indices(tree)
 
     def pure_fun(state: dict[str, PyTree], *args, **kwargs) -> tuple[Any, dict]:
-        if set(state) != set(storages):
-            raise ValueError(
-                f"`state` must have exactly the entries {sorted(storages)}, got "
-                f"{sorted(state)}."
-            )
-        proxies = {}
-        for name, storage in storages.items():
-            leaves, treedef = jtu.tree_flatten(state[name])
-            if treedef != storage.treedef:
-                raise ValueError(
-                    f"state[{name!r}] has structure {treedef}, expected "
-                    f"{storage.treedef}."
-                )
-            for leaf, ref in zip(leaves, storage.refs or (), strict=True):
-                if jnp.shape(leaf) != ref.shape or jnp.result_type(leaf) != ref.dtype:
-                    raise ValueError(
-                        f"state[{name!r}] has a leaf of {jnp.result_type(leaf)}"
-                        f"{list(jnp.shape(leaf))}, expected {ref.dtype}"
-                        f"{list(ref.shape)}."
-                    )
-            refs = tuple(jax.new_ref(jnp.asarray(x)) for x in leaves)
-            proxies[storage.id] = Storage.proxy(storage, refs)
-        with redirected(proxies):
-            out = fun(*args, **kwargs)
-        new_state = {
-            name: jtu.tree_unflatten(
-                storage.treedef, [r[...] for r in proxies[storage.id].refs]
-            )
-            for name, storage in storages.items()
-        }
-        return out, new_state
+        return run_with_state(storages, state, fun, args, kwargs)
 
     return pure_fun, _values(storages)
 

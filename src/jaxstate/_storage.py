@@ -72,12 +72,16 @@ class Storage:
 
     @classmethod
     def proxy(cls, real: "Storage", refs: tuple[Any, ...]) -> "Storage":
-        """A stand-in used while tracing `jaxstate.jit`: same type, local refs."""
+        """A stand-in holding local references, used while tracing: same structure
+        and dtypes; shapes from `refs` (inside `shard_map` they hold blocks)."""
         self = cls()
         if real.refs is not None:
+            k = len(real.batch_shape)
             self.treedef = real.treedef
-            self.member_avals = real.member_avals
-            self.batch_shape = real.batch_shape
+            self.batch_shape = tuple(refs[0].shape[:k]) if refs else real.batch_shape
+            self.member_avals = tuple(
+                core.ShapedArray(r.shape[k:], r.dtype) for r in refs
+            )
             self.refs = refs
         return self
 

@@ -156,9 +156,22 @@ class BatchNorm(eqx.Module):
         if inference is None:
             inference = flag_value(self.inference, "BatchNorm")
 
+        names = (
+            tuple(self.axis_name)
+            if isinstance(self.axis_name, (tuple, list))
+            else (self.axis_name,)
+        )
+
+        def pmean(v):
+            # One name at a time: inside `shard_map`, JAX refuses one `pmean` over
+            # a mix of mesh axes and vmap axes.
+            for name in names:
+                v = lax.pmean(v, name)
+            return v
+
         def stats(y):
-            mean = lax.pmean(jnp.mean(y), self.axis_name)
-            var = lax.pmean(jnp.mean((y - mean) * jnp.conj(y - mean)), self.axis_name)
+            mean = pmean(jnp.mean(y))
+            var = pmean(jnp.mean((y - mean) * jnp.conj(y - mean)))
             return mean, jnp.maximum(0.0, var)
 
         if self.mode == "ema":

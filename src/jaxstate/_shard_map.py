@@ -1,0 +1,139 @@
+"""`jaxstate.shard_map`: `jax.shard_map` for functions that read and write state.
+
+JAX's references cannot be closed over by a `shard_map` body, so the state reachable
+from the arguments is passed through the `shard_map` boundary explicitly, as arrays
+(blocks of it, per `state_specs`), wrapped in local references inside, and written
+back afterwards.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+from jax._src import core
+from jax._src.state.types import AbstractRef
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._pure import _indices, run_with_state
+from ._storage import state_lock
+
+
+_REPLICATED = P()
+
+
+def shard_map(
+    f: Callable,
+    *,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    state_specs: Any = _REPLICATED,
+    **kwargs,
+) -> Callable:
+    """`jax.shard_map` for a function that uses the state of its arguments.
+
+    **Arguments:**
+
+    - `f`, `mesh`, `in_specs`, `out_specs`, `**kwargs`: as for `jax.shard_map`.
+        `in_specs` is a tuple with one entry per positional argument. `check_vma`
+        defaults to `False`: JAX's check fails on a `pmean` over a vmap axis next
+        to a mesh axis, which is what BatchNorm under a per-example vmap does.
+    - `state_specs`: how the state of the indices reachable from the arguments is
+        laid out across the mesh. A single `PartitionSpec` for all of it (the
+        default, `P()`, replicates it: every device reads the whole state, and what
+        the function writes must be the same on every device, e.g. reduced with
+        `lax.pmean`), or a dict from index path (as in [`jaxstate.to_pure`][]) to
+        `PartitionSpec` (e.g. `P("data")` to give each device its block of an
+        ensemble's stacked state).
+
+    **Returns:**
+
+    The mapped function; call it inside `jax.jit` or `jaxstate.jit` (or eagerly).
+    The model and its state must live on the mesh's devices first: see
+    [`jaxstate.device_put`][].
+
+    !!! example
+
+        ```python
+        bn = jaxstate.nn.BatchNorm(16, axis_name=("batch", "data"))
+        bn = jaxstate.device_put(bn, NamedSharding(mesh, P()))
+        step = jaxstate.shard_map(
+            lambda bn, x: jax.vmap(bn, axis_name="batch")(x),
+            mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"),
+        )
+        y = jaxstate.jit(step)(bn, x)   # statistics reduced across the devices
+        ```
+    """
+
+    # JAX's varying-axes check fails on a `pmean` over a vmap axis next to a mesh
+    # axis (as BatchNorm under a per-example vmap does), so it is off by default.
+    kwargs.setdefault("check_vma", False)
+
+    def mapped(*args):
+        storages = _indices(args)
+        state = {
+            name: jtu.tree_unflatten(s.treedef, [r[...] for r in s.refs or ()])
+            for name, s in storages.items()
+        }
+
+        specs = (
+            state_specs
+            if isinstance(state_specs, dict)
+            else {name: state_specs for name in storages}
+        )
+
+        def body(state, *args):
+            return run_with_state(storages, state, f, args, {}, whole=False)
+
+        out, new_state = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(specs, *in_specs),
+            out_specs=(out_specs, specs),
+            **kwargs,
+        )(state, *args)
+        for name, storage in storages.items():
+            for ref, value in zip(
+                storage.refs or (), jtu.tree_leaves(new_state[name]), strict=True
+            ):
+                ref[...] = value
+        return out
+
+    return mapped
+
+
+def device_put(tree: PyTree, sharding: Any) -> PyTree:
+    """Places every array of `tree` and all of its state on `sharding`.
+
+    State lives outside the model's pytree, so `jax.device_put(model, sharding)`
+    alone would move the parameters but not the running statistics; this moves
+    both (the state in place). Do it before compiling functions that use the model.
+
+    **Arguments:**
+
+    - `tree`: the model.
+    - `sharding`: a `jax.sharding.Sharding` (e.g. `NamedSharding(mesh, P())` to
+        replicate over a mesh), or a device.
+
+    **Returns:**
+
+    A copy of `tree` with its arrays placed; its state (shared with `tree`) is
+    placed too.
+    """
+    with state_lock:
+        for storage in _indices(tree).values():
+            for ref in storage.refs or ():
+                # In place, so that every holder of this reference sees the move;
+                # the reference's type carries the sharding, so it moves too.
+                buf = jax.device_put(ref._refs._buf, sharding)
+                aval = AbstractRef(
+                    core.typeof(buf), ref._aval.memory_space, ref._aval.kind
+                )
+                ref._aval = ref._refs._aval = aval
+                ref._refs._buf = buf
+    return jtu.tree_map(
+        lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree
+    )
