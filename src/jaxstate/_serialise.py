@@ -7,7 +7,9 @@ import tempfile
 from typing import Any, BinaryIO
 
 import equinox as eqx
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jaxtyping import PyTree
 
 from ._index import StateIndex
@@ -33,7 +35,7 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
         ```
     """
     path = pathlib.Path(path)
-    arrays = {name: np.asarray(a) for name, a in state_dict(tree).items()}
+    arrays = {name: _to_host(a) for name, a in state_dict(tree).items()}
     # npz entries are stored as raw bytes plus a manifest, so that dtypes numpy
     # cannot name in its format (bfloat16, float8, ...) round-trip exactly.
     manifest = {n: [str(a.dtype), list(a.shape)] for n, a in arrays.items()}
@@ -53,6 +55,15 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _to_host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # Spread over several processes (multi-process training).
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def load(path: str | pathlib.Path, like: PyTree) -> PyTree:

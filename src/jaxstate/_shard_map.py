@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax._src import core
 from jax._src.state.types import AbstractRef
 from jax.sharding import PartitionSpec as P
@@ -128,12 +129,22 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
             for ref in storage.refs or ():
                 # In place, so that every holder of this reference sees the move;
                 # the reference's type carries the sharding, so it moves too.
-                buf = jax.device_put(ref._refs._buf, sharding)
+                buf = _place(ref._refs._buf, sharding)
                 aval = AbstractRef(
                     core.typeof(buf), ref._aval.memory_space, ref._aval.kind
                 )
                 ref._aval = ref._refs._aval = aval
                 ref._refs._buf = buf
-    return jtu.tree_map(
-        lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree
-    )
+    return jtu.tree_map(lambda x: _place(x, sharding) if eqx.is_array(x) else x, tree)
+
+
+def _place(x, sharding):
+    if (
+        isinstance(sharding, jax.sharding.Sharding)
+        and not sharding.is_fully_addressable
+    ):
+        # Across processes: each process supplies its own devices' blocks, from the
+        # full value it holds (every process builds the same model).
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+    return jax.device_put(x, sharding)
