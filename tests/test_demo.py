@@ -25,7 +25,7 @@ def train_digits():
 
 def test_demo_trains(train_digits):
     epochs = 5
-    result = train_digits.main(["--epochs", str(epochs), "--quiet"])
+    result = train_digits.main(["--epochs", str(epochs), "--quiet", "--no-plot"])
     steps_per_epoch = int(0.8 * 1797) // 128
     assert result["steps"] == epochs * steps_per_epoch
     assert result["test_accuracy"] >= 0.9
@@ -50,7 +50,7 @@ def test_demo_trains(train_digits):
 
 
 def test_demo_prints_summary(train_digits, capsys):
-    train_digits.main(["--epochs", "1"])
+    train_digits.main(["--epochs", "1", "--no-plot"])
     out = capsys.readouterr().out
     assert "test accuracy:" in out
     assert "ms per train step:" in out
@@ -64,3 +64,29 @@ def test_demo_flags(train_digits):
     assert (args.epochs, args.seed, args.quiet) == (2, 3, True)
     with pytest.raises(SystemExit):
         train_digits.parse_args(["--no-such-flag"])
+
+
+def test_demo_saves_plot(train_digits, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "x.png"
+    result = train_digits.main(["--epochs", "2", "--quiet", "--plot", str(path)])
+    assert path.exists() and result["plot"] == path
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(data) > 10_000
+    assert f"saved plot:         {path.resolve()}" in capsys.readouterr().out
+    # What it drew: a loss per step, an accuracy per epoch and one before training,
+    # and bn1's running mean before training and after every step.
+    steps = result["steps"]
+    assert len(result["loss_history"]) == steps
+    assert len(result["test_accuracy_history"]) == 2 + 1
+    assert result["bn1_mean_history"].shape == (steps + 1, 4)
+    np.testing.assert_allclose(
+        result["bn1_mean_history"][-1], result["bn1_running_mean"][:4], rtol=1e-6
+    )
+
+
+def test_demo_plot_flags(train_digits):
+    assert train_digits.parse_args([]).plot == "digits_training.png"
+    assert train_digits.parse_args(["--no-plot"]).no_plot
+    assert train_digits.parse_args(["--plot", ""]).plot == ""
