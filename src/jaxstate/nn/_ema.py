@@ -1,3 +1,5 @@
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,7 @@ from .._ops import get_state, set_state
 from ._util import default_float, read
 
 
-def _params(model: PyTree) -> tuple[list[Array], list[str], jtu.PyTreeDef]:
+def _params(model: PyTree) -> tuple[list[Array], list[str], Any]:
     """The model's inexact arrays (what the EMA averages), their paths and the
     structure to put them back into."""
     params = eqx.filter(model, eqx.is_inexact_array)
@@ -19,9 +21,8 @@ def _params(model: PyTree) -> tuple[list[Array], list[str], jtu.PyTreeDef]:
 
 
 def _describe(paths, leaves) -> tuple[tuple[str, tuple[int, ...], str], ...]:
-    return tuple(
-        (p, tuple(x.shape), str(jnp.result_type(x))) for p, x in zip(paths, leaves)
-    )
+    pairs = zip(paths, leaves, strict=True)
+    return tuple((p, tuple(x.shape), str(jnp.result_type(x))) for p, x in pairs)
 
 
 class EMA(eqx.Module):
@@ -102,7 +103,7 @@ class EMA(eqx.Module):
         self.bias_correction = bias_correction
         self.signature = _describe(paths, leaves)
 
-    def _leaves(self, model: PyTree, fn: str) -> tuple[list[Array], jtu.PyTreeDef]:
+    def _leaves(self, model: PyTree, fn: str) -> tuple[list[Array], Any]:
         leaves, paths, treedef = _params(model)
         signature = _describe(paths, leaves)
         if signature != self.signature:
@@ -163,7 +164,9 @@ class EMA(eqx.Module):
                 for s, p in zip(shadow, leaves, strict=True)
             ]
         params = jtu.tree_unflatten(treedef, shadow)
-        return eqx.combine(params, eqx.filter(model, eqx.is_inexact_array, inverse=True))
+        return eqx.combine(
+            params, eqx.filter(model, eqx.is_inexact_array, inverse=True)
+        )
 
     def step_count(self) -> Int[Array, "*members"]:
         """How many updates the average has had (eagerly: one count per member for

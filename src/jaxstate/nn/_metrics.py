@@ -1,16 +1,16 @@
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
-from ._util import AxisName, check_axis_name, default_float, read, write, writable
+from ._util import AxisName, check_axis_name, default_float, read, writable, write
 
 
 _VMAP_FIX = (
-    "each member would add its own value to one shared total, which cannot be "
-    "stored."
+    "each member would add its own value to one shared total, which cannot be stored."
 )
 
 
@@ -20,7 +20,7 @@ def _reduce(x: Array, axis_name: AxisName | None) -> Array:
 
 
 def _reset(index: StateIndex) -> None:
-    write(index, jnp.zeros_like(read(index)))
+    write(index, jax.tree.map(jnp.zeros_like, read(index)))
 
 
 class Counter(eqx.Module):
@@ -80,7 +80,9 @@ class Counter(eqx.Module):
             )
         check_axis_name(self.count, axis_name, "Counter.increment", _VMAP_FIX)
         count = get_state(self.count)
-        set_state(writable(self.count), count + _reduce(n, axis_name).astype(count.dtype))
+        set_state(
+            writable(self.count), count + _reduce(n, axis_name).astype(count.dtype)
+        )
 
     def __call__(
         self, n: Int[ArrayLike, ""] = 1, *, axis_name: AxisName | None = None

@@ -1,0 +1,171 @@
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from ._kv_cache import KVCache
+
+
+def _attend(
+    query: Float[Array, "q heads qk"],
+    key: Float[Array, "kv heads qk"],
+    value: Float[Array, "kv heads vo"],
+    mask: Bool[Array, "q kv"],
+    dropout: eqx.nn.Dropout,
+    dropout_key: PRNGKeyArray | None,
+    inference: bool | None,
+) -> Float[Array, "q heads vo"]:
+    # The same computation as `eqx.nn.MultiheadAttention` (scaled dot product,
+    # masked with the dtype's minimum, softmax in at least float32), so that the
+    # wrapped layer and this one give the same numbers.
+    query = query / math.sqrt(query.shape[-1])
+    logits = jnp.einsum("qhd,khd->hqk", query, key)
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    dtype = jnp.result_type(logits.dtype, jnp.float32)
+    weights = jax.nn.softmax(logits.astype(dtype), axis=-1).astype(logits.dtype)
+    if dropout_key is not None:
+        # Only with a key: `eqx.nn.Dropout` branches on its `inference` and `p`
+        # leaves in Python, which plain `jax.jit` would have traced, and decoding
+        # (the reason for this layer) never drops out.
+        weights = dropout(weights, key=dropout_key, inference=inference)
+    return jnp.einsum("hqk,khd->qhd", weights, value)
+
+
+class CachedSelfAttention(eqx.Module):
+    """Causal self-attention with a [`jaxstate.nn.KVCache`][], for autoregressive
+    decoding with nothing to thread.
+
+    Wraps an `eqx.nn.MultiheadAttention` (its projections, heads and dropout) and
+    adds a cache in state. Called on a sequence of shape `(tokens, size)`:
+
+    - `attn(x)`: causal self-attention over `x` alone, as in training. The cache is
+        neither read nor written.
+    - `attn(x, use_cache=True)`: `x` holds the *next* tokens of the sequence in the
+        cache (a whole prompt, or one token at a time). Their keys and values are
+        appended to the cache, and each attends to every cached position up to its
+        own. Decoding a sequence token by token gives the same outputs as one
+        causal pass over the whole sequence.
+
+    !!! example
+
+        ```python
+        mha = eqx.nn.MultiheadAttention(num_heads=4, query_size=64, key=key)
+        attn = jaxstate.nn.CachedSelfAttention(mha, max_len=128)
+
+        y = attn(prompt, use_cache=True)       # prompt: (tokens, 64); fills the cache
+        step = jaxstate.jit(lambda attn, x: attn(x, use_cache=True))
+        y = step(attn, x_next)                 # x_next: (1, 64)
+        attn.cache.reset()                     # a new sequence
+        ```
+
+    Positional information is up to the model (as with `eqx.nn.MultiheadAttention`):
+    `attn.cache.length()` is the position of the next token, also inside `jit`.
+
+    For a batch of sequences, create it with `batch_size=B` and call it under a
+    vmap of size `B` over the sequences; see [`jaxstate.nn.KVCache`][].
+
+    If the tokens do not fit in the cache (inside compiled code, where that cannot
+    be checked while tracing), the output is NaN and the cache is left unchanged.
+    """
+
+    attention: eqx.nn.MultiheadAttention
+    cache: KVCache
+
+    def __init__(
+        self,
+        attention: eqx.nn.MultiheadAttention,
+        max_len: int,
+        *,
+        batch_size: int | None = None,
+        dtype=None,
+    ):
+        """**Arguments:**
+
+        - `attention`: an `eqx.nn.MultiheadAttention` for self-attention (equal
+            `query_size`, `key_size` and `value_size`); its parameters are used as
+            they are.
+        - `max_len`: the longest sequence the cache holds.
+        - `batch_size`: if given, one cache per sequence of a batch of this many.
+        - `dtype`: of the cache; defaults to that of the query projection.
+
+        **Raises:**
+
+        `ValueError` if `attention` is not a self-attention layer, or for a bad
+        `max_len` / `batch_size`.
+        """
+        if not isinstance(attention, eqx.nn.MultiheadAttention):
+            raise TypeError(
+                "CachedSelfAttention wraps an `eqx.nn.MultiheadAttention`, got "
+                f"{type(attention).__name__}."
+            )
+        sizes = (attention.query_size, attention.key_size, attention.value_size)
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                "CachedSelfAttention needs a self-attention layer, with equal "
+                f"query_size, key_size and value_size; got {sizes}."
+            )
+        dtype = attention.query_proj.weight.dtype if dtype is None else dtype
+        self.attention = attention
+        self.cache = KVCache(
+            max_len,
+            attention.num_heads,
+            attention.qk_size,
+            attention.vo_size,
+            batch_size=batch_size,
+            dtype=dtype,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "tokens size"],
+        *,
+        use_cache: bool = False,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "tokens size"]:
+        """**Arguments:**
+
+        - `x`: a sequence, or the next tokens of the cached one, of shape
+            `(tokens, size)`.
+        - `use_cache`: whether `x` continues the sequence in the cache (see above).
+        - `key`, `inference`: for the wrapped layer's dropout on the attention
+            weights, as in `eqx.nn.MultiheadAttention`. Without a `key` there is
+            no dropout (where `eqx.nn.MultiheadAttention` would raise in training
+            mode).
+
+        **Returns:**
+
+        The attention output, of shape `(tokens, size)` (`output_size` of the
+        wrapped layer).
+
+        **Raises:**
+
+        `ValueError` for an input of the wrong shape, or as
+        [`KVCache.append`][jaxstate.nn.KVCache.append]. The cache is unchanged
+        after an error.
+        """
+        mha = self.attention
+        if x.ndim != 2 or x.shape[1] != mha.query_size:
+            raise ValueError(
+                f"CachedSelfAttention expects one sequence of shape (tokens, "
+                f"{mha.query_size}), got {x.shape}. For a batch, vmap over it."
+            )
+        n = x.shape[0]
+        query = jax.vmap(mha.query_proj)(x).reshape(n, mha.num_heads, -1)
+        key_ = jax.vmap(mha.key_proj)(x).reshape(n, mha.num_heads, -1)
+        value = jax.vmap(mha.value_proj)(x).reshape(n, mha.num_heads, -1)
+        if use_cache:
+            key_, value, start, fits = self.cache.append(key_, value)
+            query_pos = start + jnp.arange(n)
+            key_pos = jnp.arange(self.cache.max_len)
+        else:
+            fits = None
+            query_pos = key_pos = jnp.arange(n)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = _attend(query, key_, value, mask, mha.dropout, key, inference)
+        out = jax.vmap(mha.output_proj)(out.reshape(n, -1))
+        if fits is not None:
+            out = jnp.where(fits, out, jnp.nan)
+        return out
