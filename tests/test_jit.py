@@ -198,3 +198,23 @@ def test_donate_all_except_first():
     a, b = jnp.ones(3), jnp.ones(3)
     jaxstate.jit(lambda a, b: a + b, donate="all-except-first")(a, b)
     assert not a.is_deleted() and b.is_deleted()
+
+
+def test_a_step_that_fails_while_running_keeps_the_state():
+    # `eqx.error_if` raises from a host callback while the computation runs, after
+    # XLA would have taken donated buffers: such steps keep their state undonated.
+    w = jaxstate.StateIndex(init=jnp.zeros(3))
+    r = jaxstate.StateIndex(init=jnp.ones(3))
+
+    @jaxstate.jit
+    def step(w, r, x):
+        v = jaxstate.get_state(w) + jaxstate.get_state(r)
+        jaxstate.set_state(w, eqx.error_if(v + x, x > 5, "x too big"))
+
+    step(w, r, jnp.float32(1.0))
+    with pytest.raises(Exception, match="x too big"):
+        step(w, r, jnp.float32(10.0))
+    np.testing.assert_array_equal(w.unsafe_get(), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(r.unsafe_get(), [1.0, 1.0, 1.0])
+    step(w, r, jnp.float32(1.0))  # and it goes on working
+    np.testing.assert_array_equal(w.unsafe_get(), [4.0, 4.0, 4.0])

@@ -165,18 +165,42 @@ def _buffers(storages: list[Storage]) -> list[list[jax.Array]]:
     return [[r._refs._buf for r in s.refs] if s.refs else [] for s in storages]
 
 
+def _has_callback(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            return True
+        if any(_has_callback(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
 class _Compiled:
     """One compiled function per argument structure."""
 
     def __init__(self, wrapper: "_JitWrapper", key):
         self.treedefs, self.spec = key
+        self.jitkwargs = wrapper.jitkwargs
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
-        self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **wrapper.jitkwargs)
+        self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **self.jitkwargs)
         # The real storages of the call being traced; set only around a call.
         self.passed: list[Storage] = []
         # Until the first call has compiled, hide JAX's warning about donated
         # buffers it could not reuse (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
+
+    def choose_donation(self, call) -> None:
+        """On the first call: keep the state buffers out of donation if the function
+        can fail while running.
+
+        A run-time failure (a host callback raising, as `eqx.error_if` does) comes
+        after XLA has taken the donated buffers, which would lose the state. Such
+        functions pass their state undonated, so a failed call leaves it as it was;
+        it costs a copy of the state per call. Found by tracing once (the trace is
+        reused by the compilation that follows).
+        """
+        jaxpr = self.jitted.trace(*call).jaxpr
+        if _has_callback(jaxpr.jaxpr):
+            self.jitted = jax.jit(self._inner, donate_argnums=(1,), **self.jitkwargs)
 
     def _inner(self, kept, donated, bufs, _):
         # `bufs[slot]` holds the stacked leaves of each distinct state.
@@ -281,6 +305,8 @@ class _JitWrapper:
             compiled.passed = storages
             try:
                 call = (kept, donated, _buffers(storages), None)
+                if compiled.fresh:
+                    compiled.choose_donation(call)
                 if compiled.fresh and self.hide_warning:
                     with warnings.catch_warnings():
                         warnings.filterwarnings("ignore", "Some donated buffers")
