@@ -77,44 +77,58 @@ _EMPTY_DICT = jtu.tree_structure({})
 class _Memo:
     """Flattened forms of the arguments that are known not to have changed.
 
-    In a loop like `model = step(model, x)` the model passed in is the one the
-    previous call built from leaves it already had, so its flattening (Equinox
-    modules flatten in Python) is skipped. Only immutable `eqx.Module`s are
-    remembered, by weak reference: an entry dies with its module. The wrapped
-    function itself is flattened once.
+    Equinox modules flatten in Python, which dominates the cost of a call. A module
+    passed again unchanged (the same object: modules are immutable), or returned by
+    the previous call and passed back (`model = step(model, x)`, built from leaves
+    this call already had), is not flattened again. Entries are held by weak
+    reference and die with their module; only those of the last call are kept. The
+    wrapped function itself is flattened once.
     """
 
     def __init__(self, fun):
         self.fun = jtu.tree_flatten(fun, is_leaf=_is_handle)
         self.entries: dict[int, tuple[Any, list, Any]] = {}
+        self.used: dict[int, tuple[Any, list, Any]] = {}
+
+    def _entry(self, tree, leaves, treedef):
+        key = id(tree)
+
+        def drop(ref):
+            for d in (self.entries, self.used):
+                if key in d and d[key][0] is ref:
+                    del d[key]
+
+        return (weakref.ref(tree, drop), leaves, treedef)
 
     def flatten(self, tree):
         if _kind(type(tree)) == _ARRAY_KIND:
             return [tree], _LEAF
-        entry = self.entries.get(id(tree))
+        key = id(tree)
+        entry = self.entries.get(key)
         if entry is not None and entry[0]() is tree:
+            self.used[key] = entry
             return entry[1], entry[2]
-        return jtu.tree_flatten(tree, is_leaf=_is_handle)
+        leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_handle)
+        if isinstance(tree, eqx.Module):
+            self.used[key] = self._entry(tree, leaves, treedef)
+        return leaves, treedef
 
     def remember(self, outs: list, flats: list) -> None:
-        entries = {}
         for out, (leaves, treedef) in zip(outs, flats, strict=True):
             if isinstance(out, eqx.Module):
-                key = id(out)
-                drop = lambda _, key=key, entries=entries: entries.pop(key, None)  # noqa: E731
-                entries[key] = (weakref.ref(out, drop), leaves, treedef)
-        self.entries = entries
+                self.used[id(out)] = self._entry(out, leaves, treedef)
+        self.entries, self.used = self.used, {}
 
 
 def _flatten(fun_kwargs_args, memo: _Memo):
     """Flattens each part with handles as leaves. Returns the structure (for the
     cache key: no array values, no storages), the array leaves, the distinct
-    storages, the first handle seen for each, and how many arrays `fun`, the keyword
-    arguments and the first argument hold."""
+    storages, the first handle seen for each, all their references in order, and
+    how many arrays `fun`, the keyword arguments and the first argument hold."""
     fun, kwargs, *args = fun_kwargs_args
     flats = [memo.fun, ([], _EMPTY_DICT) if not kwargs else memo.flatten(kwargs)]
     flats += [memo.flatten(a) for a in args]
-    treedefs, arrays, storages, handles, spec = [], [], [], [], []
+    treedefs, arrays, storages, handles, refs, spec = [], [], [], [], [], []
     slot_of: dict[int, int] = {}
     n_first = 0
     for i, (leaves, treedef) in enumerate(flats):
@@ -131,12 +145,14 @@ def _flatten(fun_kwargs_args, memo: _Memo):
                     slot = slot_of[storage.id] = len(storages)
                     storages.append(storage)
                     handles.append(leaf)
+                    refs.extend(storage.refs or ())
                 spec.append((_HANDLE, slot, storage.signature_id))
             else:
                 spec.append(leaf)
         if i <= 2:
             n_first = len(arrays)
-    return (tuple(treedefs), tuple(spec)), arrays, storages, handles, n_first
+    key = (tuple(treedefs), tuple(spec))
+    return key, arrays, storages, handles, refs, n_first
 
 
 def _rebuild(spec, arrays, handles) -> list:
@@ -160,9 +176,9 @@ def _unflatten_parts(treedefs, leaves) -> list:
     return parts
 
 
-def _buffers(storages: list[Storage]) -> list[list[jax.Array]]:
+def _buffers(refs: list) -> list[jax.Array]:
     # The arrays inside the references, read without a copy: they are donated.
-    return [[r._refs._buf for r in s.refs] if s.refs else [] for s in storages]
+    return [r._refs._buf for r in refs]
 
 
 def _has_callback(jaxpr) -> bool:
@@ -203,17 +219,17 @@ class _Compiled:
             self.jitted = jax.jit(self._inner, donate_argnums=(1,), **self.jitkwargs)
 
     def _inner(self, kept, donated, bufs, _):
-        # `bufs[slot]` holds the stacked leaves of each distinct state.
-        proxies = [
-            Storage.proxy(real, tuple(jax.new_ref(b) for b in slot_bufs))
-            for real, slot_bufs in zip(self.passed, bufs, strict=True)
-        ]
+        # `bufs` holds the leaves of every distinct state, slot after slot.
+        proxies, it = [], iter(bufs)
+        for real in self.passed:
+            refs = tuple(jax.new_ref(next(it)) for _ in real.refs or ())
+            proxies.append(Storage.proxy(real, refs))
         handles = [Handle.of(p) for p in proxies]
         leaves = _rebuild(self.spec, [*kept, *donated], handles)
         fun, kwargs, *args = _unflatten_parts(self.treedefs, leaves)
         with passed_in(self.passed):
             out = fun(*args, **kwargs)
-        new_bufs = [[r[...] for r in p.refs] if p.refs else [] for p in proxies]
+        new_bufs = [r[...] for p in proxies for r in p.refs or ()]
         # Each element of a tuple output is flattened on its own, so that the
         # modules among them can be remembered (see `_Memo`). Handles of our
         # arguments' states go back as slot numbers.
@@ -235,7 +251,9 @@ class _Compiled:
                     spec.append((_HANDLE, slot_of_proxy[leaf.storage.id], None))
                 else:
                     spec.append(leaf)
-            out_static.append((treedef, tuple(spec)))
+            # The number of arrays, and whether the leaves are just those arrays.
+            n = sum(s is _ARRAY for s in spec)
+            out_static.append((treedef, tuple(spec), n, n == len(spec)))
         return out_arrays, _Static((is_tuple, tuple(out_static))), new_bufs
 
 
@@ -268,7 +286,7 @@ class _JitWrapper:
         functools.update_wrapper(self, fun)  # pyright: ignore
 
     def _prepare(self, args, kwargs):
-        key, arrays, storages, handles, n_first = _flatten(
+        key, arrays, storages, handles, refs, n_first = _flatten(
             (self.fun, kwargs, *args), self.memo
         )
         # Most calls repeat the previous structure, often with the very same treedef
@@ -276,8 +294,8 @@ class _JitWrapper:
         last = self.last
         if (
             last is not None
-            and all(a is b for a, b in zip(key[0], last[0][0], strict=False))
             and len(key[0]) == len(last[0][0])
+            and all(a is b for a, b in zip(key[0], last[0][0], strict=True))
             and key[1] == last[0][1]
         ):
             compiled = last[1]
@@ -292,52 +310,55 @@ class _JitWrapper:
             kept, donated = [], arrays
         else:  # all but the arrays of `fun`, the keyword arguments and the first
             kept, donated = arrays[:n_first], arrays[n_first:]
-        return compiled, kept, donated, storages, handles
+        return compiled, kept, donated, storages, handles, refs
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        compiled, kept, donated, storages, handles = self._prepare(args, kwargs)
         # Reading the buffers, dispatching, and swapping the results in is one step
         # for other threads: none may read a buffer this call is about to donate.
         with state_lock:
+            compiled, kept, donated, storages, handles, refs = self._prepare(
+                args, kwargs
+            )
             compiled.passed = storages
             try:
-                call = (kept, donated, _buffers(storages), None)
+                call = (kept, donated, _buffers(refs), None)
                 if compiled.fresh:
                     compiled.choose_donation(call)
-                if compiled.fresh and self.hide_warning:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", "Some donated buffers")
+                    if self.hide_warning:
+                        with warnings.catch_warnings():
+                            warnings.filterwarnings("ignore", "Some donated buffers")
+                            out_arrays, static, new_bufs = compiled.jitted(*call)
+                    else:
                         out_arrays, static, new_bufs = compiled.jitted(*call)
+                    compiled.fresh = False
                 else:
                     out_arrays, static, new_bufs = compiled.jitted(*call)
             finally:
                 compiled.passed = []
-            compiled.fresh = False
-            for storage, slot_bufs in zip(storages, new_bufs, strict=True):
-                if storage.refs is not None:
-                    for ref, buf in zip(storage.refs, slot_bufs, strict=True):
-                        ref._refs._buf = buf
-        is_tuple, out_static = static.value
-        outs, flats, start = [], [], 0
-        for treedef, spec in out_static:
-            stop = start + sum(s is _ARRAY for s in spec)
-            leaves = _rebuild(spec, out_arrays[start:stop], handles)
-            outs.append(jtu.tree_unflatten(treedef, leaves))
-            flats.append((leaves, treedef))
-            start = stop
-        self.memo.remember(outs, flats)
+            for ref, buf in zip(refs, new_bufs, strict=True):
+                ref._refs._buf = buf
+            is_tuple, out_static = static.value
+            outs, flats, start = [], [], 0
+            for treedef, spec, n, only_arrays in out_static:
+                leaves = out_arrays[start : start + n]
+                if not only_arrays:
+                    leaves = _rebuild(spec, leaves, handles)
+                start += n
+                outs.append(jtu.tree_unflatten(treedef, leaves))
+                flats.append((leaves, treedef))
+            self.memo.remember(outs, flats)
         return tuple(outs) if is_tuple else outs[0]
 
     def lower(self, *args, **kwargs):
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
-        compiled, kept, donated, storages, _ = self._prepare(args, kwargs)
         with state_lock:
+            compiled, kept, donated, storages, _, refs = self._prepare(args, kwargs)
             compiled.passed = storages
             try:
-                return compiled.jitted.lower(kept, donated, _buffers(storages), None)
+                return compiled.jitted.lower(kept, donated, _buffers(refs), None)
             finally:
                 compiled.passed = []
 

@@ -1,0 +1,404 @@
+"""`python -m benchmarks [--quick] [--only S1,S3] [--out PATH | --no-write]`
+
+Runs the scenarios in this one process (S4's memory workers excepted), prints each
+scenario's table as it finishes and writes docs/performance.md.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import profile_jit, s1_dispatch, s2_cnn, s3_many, s4_memory, s5_loops
+from ._harness import (
+    check,
+    Config,
+    measure,
+    ScenarioResult,
+    Table,
+    Target,
+    text_table,
+    Variant,
+)
+from ._report import render
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = ["S1", "S2", "S3", "S4", "S5"]
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _bar(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, disable=None)
+
+
+def _report_error(v: Variant, e: BaseException) -> None:
+    print(f"  ! {v.name}: {v.unavailable}", file=sys.stderr)
+
+
+def _full(cfg: Config, **overrides) -> Config:
+    """Per-scenario settings for full runs; quick runs keep the quick ones."""
+    if cfg.quick:
+        return cfg
+    import dataclasses
+
+    return dataclasses.replace(cfg, **overrides)
+
+
+def _ratio_targets(
+    res: ScenarioResult, name: str, goal: float, *, primary: bool = True
+) -> list[Target]:
+    out = []
+    for mode in ("pipelined", "blocked"):
+        r = res.ratio(name, mode)
+        out.append(
+            Target(
+                f"{name} / {res.baseline} ({mode})",
+                r,
+                f"≤ {goal:g}×",
+                r <= goal,
+                primary=primary,
+            )
+        )
+    return out
+
+
+def _timed_scenario(
+    module, cfg: Config, variants: list[Variant], extra: list[Variant] = ()
+) -> ScenarioResult:
+    agreement, _ = check(variants, cfg.check_steps, on_error=_report_error)
+    extra_agreement = None
+    if extra:
+        extra_agreement, _ = check(list(extra), cfg.check_steps, on_error=_report_error)
+    with _bar(cfg.rounds, module.KEY) as bar:
+        timings = measure([*variants, *extra], cfg, progress=bar.update)
+    res = ScenarioResult(
+        key=module.KEY,
+        title=module.TITLE,
+        description=(module.__doc__ or "").split("\n\n", 1)[-1].strip(),
+        unit=module.UNIT,
+        variants=list(variants),
+        timings=timings,
+        baseline=module.BASELINE,
+        agreement=agreement,
+    )
+    if extra_agreement is not None and not extra_agreement.ok:
+        res.notes.append("Long-scan variants: " + extra_agreement.summary())
+    return res
+
+
+def run_s1(cfg: Config) -> ScenarioResult:
+    res = _timed_scenario(s1_dispatch, cfg, s1_dispatch.variants(cfg))
+    res.targets += _ratio_targets(res, "jaxstate.jit", 1.15)
+    res.notes.append(
+        "Every row runs the same arithmetic from the same weights on the same "
+        "batch (checked above). Rows marked [twin] are a peer's own step with its "
+        "state threaded by hand through `jax.jit` with the state donated; '× own "
+        "twin' compares a peer's convenient API with that."
+    )
+    return res
+
+
+def run_s2(cfg: Config) -> ScenarioResult:
+    cfg = _full(cfg, rounds=11, chunk_s=0.25)
+    res = _timed_scenario(s2_cnn, cfg, s2_cnn.variants(cfg))
+    res.targets += _ratio_targets(res, "jaxstate.jit", 1.03)
+    return res
+
+
+def run_s3(cfg: Config) -> ScenarioResult:
+    res = _timed_scenario(s3_many, cfg, s3_many.variants(cfg))
+    res.targets += _ratio_targets(res, "jaxstate.jit", 1.3)
+    table, med = s3_many.compile_times(cfg)
+    res.tables.append(table)
+    r = med["jaxstate.jit"] / med[s3_many.COMPILE_ROWS[0]]
+    res.targets.append(
+        Target("jaxstate.jit trace+compile / hand-threaded", r, "≤ 1.5×", r <= 1.5)
+    )
+    return res
+
+
+def run_s4(cfg: Config) -> ScenarioResult:
+    table, targets, _, sensitive = s4_memory.run(cfg)
+    res = ScenarioResult(
+        key=s4_memory.KEY,
+        title=s4_memory.TITLE.replace("512 MiB", f"{cfg.s4_mib} MiB"),
+        description=(s4_memory.__doc__ or "").split("\n\n", 1)[-1].strip(),
+        unit="",
+        variants=[],
+        timings={},
+        baseline=s4_memory.MODES["hand"],
+        agreement=None,
+        targets=targets,
+        tables=[table],
+    )
+    res.notes.append(
+        "The reference row grows by a whole state, as a copy must: the measurement "
+        "sees copies."
+        if sensitive
+        else "**The reference row (undonated, a copy every step) did not grow by at "
+        "least half a state: this measurement could not see a copy, so no row is "
+        "counted as meeting the target.**"
+    )
+    return res
+
+
+def run_s5(cfg: Config) -> ScenarioResult:
+    cfg = _full(cfg, rounds=15)
+    res = _timed_scenario(
+        s5_loops, cfg, s5_loops.variants(cfg), s5_loops.long_variants(cfg)
+    )
+    res.scale = s5_loops.LENGTH
+    res.targets += _ratio_targets(res, s5_loops.ROWS[1], 1.2)
+    res.targets += _ratio_targets(res, s5_loops.ROWS[2], 1.2, primary=False)
+    callback = s5_loops.ROWS[3]
+    for mode in ("pipelined", "blocked"):
+        speedup = res.ratio(callback, mode, s5_loops.ROWS[1])
+        res.targets.append(
+            Target(
+                f"speed-up of jaxstate (jaxstate.jit) over the callback design "
+                f"({mode})",
+                speedup,
+                "≥ 200×",
+                speedup >= 200,
+            )
+        )
+    # Marginal cost of one iteration, from the 1000- and 10000-step scans.
+    rows = []
+    long, short = s5_loops.LONG, s5_loops.LENGTH
+    base = None
+    for name in s5_loops.ROWS[:3]:
+        ln = s5_loops.long_name(name)
+        if name not in res.timings or ln not in res.timings:
+            rows.append([name, "unavailable", "", "", ""])
+            continue
+        cells = [name]
+        for mode in ("pipelined", "blocked"):
+            t_long = res.timings[ln].us(mode)
+            t_short = res.timings[name].us(mode)
+            marginal = (t_long - t_short) / (long - short)
+            per_call = t_short - marginal * short
+            if name == s5_loops.BASELINE:
+                base = base or {}
+                base[mode] = marginal
+            ratio = marginal / base[mode] if base and base.get(mode) else float("nan")
+            cells.append(f"{1e3 * marginal:.1f} ns ({ratio:.2f}×) / {per_call:.1f} µs")
+        rows.append(cells)
+    res.tables.append(
+        Table(
+            f"S5: cost of one scan iteration and of one call, from {short}- and "
+            f"{long}-step scans measured in the same rounds (× = ratio to the "
+            "functional carry's per-iteration cost)",
+            [
+                "design",
+                "pipelined: per iteration / per call",
+                "blocked: per iteration / per call",
+            ],
+            rows,
+        )
+    )
+    res.notes.append(
+        f"The table's figures are per iteration of the {short}-step scan: the time "
+        f"of one call divided by {short}, so they include each call's dispatch. The "
+        "second table separates the two."
+    )
+    return res
+
+
+RUNNERS: dict[str, Callable[[Config], ScenarioResult]] = {
+    "S1": run_s1,
+    "S2": run_s2,
+    "S3": run_s3,
+    "S4": run_s4,
+    "S5": run_s5,
+}
+
+
+def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
+    """Per-call profile of jaxstate.jit, when one of its targets was missed."""
+    missed = [
+        f"{res.key}: {t.label}"
+        for res in results.values()
+        for t in res.targets
+        if t.primary and not t.met and res.key != "S4"
+    ]
+    if not missed:
+        return None
+    out: dict = {"missed": missed, "cases": []}
+    cases = [("S1", s1_dispatch)]
+    if "S3" in results and not results["S3"].met:
+        cases.append(("S3", s3_many))
+    for key, module in cases:
+        if key == "S1":
+            fun, args = s1_dispatch.profile_setup()
+            hand = s1_dispatch._hand_variant()
+            nxt = lambda out, a: (out[0], a[1])
+            calls = cfg.profile_calls
+        else:
+            x, states = s3_many._init()
+            fun, args = s3_many.js_step, (s3_many.Many(states), x)
+            hand = s3_many._hand_variant()
+            nxt = lambda out, a: a
+            calls = max(70, cfg.profile_calls // 6)
+        assert hand.step is not None
+        for _ in range(5):
+            hand.step()
+        b = profile_jit.breakdown(fun, args, nxt, calls, baseline_call=hand.step)
+        top = profile_jit.cprofile(fun, args, nxt, max(100, calls // 2))
+        out["cases"].append((key, module.TITLE, b, top))
+    s3 = results.get("S3")
+    if s3 is not None and any(
+        "trace+compile" in t.label and not t.met for t in s3.targets
+    ):
+        out["first_call"] = profile_jit.first_call_phases(
+            s3_many.fresh_first_calls(), cfg.compile_reps
+        )
+    return out
+
+
+def _load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"{one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def environment(argv: list[str], wall_s: float, load_start: str) -> dict[str, str]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    import jax
+
+    return {
+        "CPU": cpu,
+        "cores": f"{os.cpu_count()} ({usable} usable by this process)",
+        "JAX backend": f"{jax.default_backend()} ({jax.devices()[0].device_kind})",
+        "OS": platform.platform(),
+        "python": platform.python_version(),
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "equinox": version("equinox"),
+        "flax": version("flax"),
+        "dm-haiku": version("dm-haiku"),
+        "jaxstate": version("jaxstate"),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": " ".join(["python -m benchmarks", *argv]),
+        "wall time": f"{wall_s:.0f} s",
+        "process niceness": str(os.nice(0)),
+        "load average at start": load_start,
+        "load average at end": _load(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n\n")[1]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="few rounds and a small S4: a smoke run"
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated scenarios, e.g. S1,S3"
+    )
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "docs" / "performance.md"),
+        help="where to write the report (default: docs/performance.md)",
+    )
+    parser.add_argument(
+        "--no-write", action="store_true", help="print only; write no report"
+    )
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip the jaxstate.jit profile"
+    )
+    args = parser.parse_args(argv)
+    only = [s.strip().upper() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in only if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; choose from {SCENARIOS}")
+    selected = only or SCENARIOS
+    cfg = Config.make(args.quick)
+    load_start = _load()
+    start = time.perf_counter()
+    results: dict[str, ScenarioResult] = {}
+    for key in selected:
+        print(f"== {key} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        res = RUNNERS[key](cfg)
+        res.wall_s = time.perf_counter() - t0
+        results[key] = res
+        _print(res)
+    profile = None
+    if not args.no_profile:
+        print("== profile of jaxstate.jit ...", file=sys.stderr, flush=True)
+        profile = run_profile(cfg, results)
+    wall = time.perf_counter() - start
+    env = environment(argv, wall, load_start)
+    report = render(results, profile, env, cfg)
+    if profile is not None:
+        print(report[report.index("## Profile") :].split("\n## ")[0])
+    print(f"\nwall time {wall:.0f} s")
+    if not args.no_write:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+        print(f"wrote {out}")
+    return results
+
+
+def _print(res: ScenarioResult) -> None:
+    print()
+    if res.variants:
+        print(text_table(res.main_table()))
+    for table in res.tables:
+        print()
+        print(text_table(table))
+    if res.agreement is not None:
+        print("results:", res.agreement.summary())
+    for t in res.targets:
+        print("target:", t.text())
+    for note in res.notes:
+        print("note:", note)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
