@@ -87,6 +87,19 @@ def test_stepping_a_256_mib_state_is_in_place(mode):
     assert growth < 0.10 * nbytes, f"peak grew by {growth / MiB:.1f} MiB"
 
 
+def test_the_in_place_measurement_sees_a_copy():
+    nbytes = 64 * MiB
+    probe = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")
+    out = subprocess.run(
+        [sys.executable, probe, str(nbytes), "copy"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert int(out.stdout.strip().splitlines()[-1]) > 0.5 * nbytes
+
+
 def test_state_is_freed_with_its_model(collect):
     collect()
     start = _live_mib()
