@@ -9,21 +9,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._flag import flag_value, to_flag
 from .._index import StateIndex
-from .._inference import tree_inference
 from .._ops import get_state, set_state
-
-
-def _writable(index: StateIndex) -> StateIndex:
-    # `tree_inference(model, True)` freezes this layer's indices along with the
-    # layer. A call that trains anyway (`inference=False`) writes through a
-    # training-mode view of the same state, as `eqx.nn.BatchNorm` would.
-    if flag_value(index.inference, "StateIndex"):
-        return tree_inference(index, False)
-    return index
-
-
-def _default_float():
-    return jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+from ._util import axis_names, default_float, writable as _writable
 
 
 class BatchNorm(eqx.Module):
@@ -101,7 +88,7 @@ class BatchNorm(eqx.Module):
             raise ValueError(f"BatchNorm mode must be 'ema' or 'batch', got {mode!r}.")
         if not 0 < momentum < 1:
             raise ValueError(f"BatchNorm momentum must be in (0, 1), got {momentum}.")
-        dtype = _default_float() if dtype is None else dtype
+        dtype = default_float() if dtype is None else dtype
         if channelwise_affine:
             self.weight = jnp.ones((input_size,), dtype)
             self.bias = jnp.zeros((input_size,), dtype)
@@ -156,11 +143,7 @@ class BatchNorm(eqx.Module):
         if inference is None:
             inference = flag_value(self.inference, "BatchNorm")
 
-        names = (
-            tuple(self.axis_name)
-            if isinstance(self.axis_name, (tuple, list))
-            else (self.axis_name,)
-        )
+        names = axis_names(self.axis_name)
 
         def pmean(v):
             # One name at a time: inside `shard_map`, JAX refuses one `pmean` over
