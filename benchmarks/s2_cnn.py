@@ -31,7 +31,7 @@ BASELINE = "hand-threaded jax.jit (donated)"
 ROWS = [
     BASELINE,
     "jaxstate.jit",
-    "eqx.filter_jit + jaxstate (the example as written)",
+    "eqx.filter_jit + jaxstate",
     "Equinox eqx.nn.State + eqx.filter_jit",
 ]
 

@@ -283,7 +283,10 @@ class _JitWrapper:
         self.cache: dict[Any, _Compiled] = {}
         self.memo = _Memo(fun)
         self.last: tuple[Any, _Compiled] | None = None
-        functools.update_wrapper(self, fun)  # pyright: ignore
+        # Name and docstring only: copying `fun.__dict__` could copy another
+        # wrapper's attributes (e.g. from a `jax.vmap` of a `jaxstate.jit` function)
+        # over our own.
+        functools.update_wrapper(self, fun, updated=())  # pyright: ignore
 
     def _prepare(self, args, kwargs):
         key, arrays, storages, handles, refs, n_first = _flatten(

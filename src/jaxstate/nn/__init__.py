@@ -6,3 +6,4 @@ from ._ema import EMA as EMA
 from ._kv_cache import KVCache as KVCache
 from ._metrics import Accuracy as Accuracy, Counter as Counter, Mean as Mean
 from ._rng import RNGStream as RNGStream
+from ._spectral_norm import SpectralNorm as SpectralNorm
