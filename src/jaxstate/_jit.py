@@ -19,9 +19,11 @@ from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax._src import core
+from jax.experimental import checkify
 
 from ._storage import Handle, passed_in, state_lock, Storage
 from ._vmap import is_eager
@@ -181,6 +183,18 @@ def _buffers(refs: list) -> list[jax.Array]:
     return [r._refs._buf for r in refs]
 
 
+def _checkify_failed(out) -> Any:
+    """Whether any `checkify` error returned by the function is set, or `None` if
+    it returns none."""
+    errors = [
+        x
+        for x in jtu.tree_leaves(out, is_leaf=lambda x: isinstance(x, checkify.Error))
+        if isinstance(x, checkify.Error)
+    ]
+    preds = [jnp.any(p) for e in errors for p in e._pred.values()]
+    return jnp.any(jnp.stack(preds)) if preds else None
+
+
 def _has_callback(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if "callback" in eqn.primitive.name:
@@ -230,6 +244,14 @@ class _Compiled:
         with passed_in(self.passed):
             out = fun(*args, **kwargs)
         new_bufs = [r[...] for p in proxies for r in p.refs or ()]
+        failed = _checkify_failed(out)
+        if failed is not None:
+            # A failed `checkify.check` is a value, not an exception: commit none of
+            # this call's state updates (XLA still updates the buffers in place).
+            new_bufs = [
+                jnp.where(failed, old, new)
+                for old, new in zip(bufs, new_bufs, strict=True)
+            ]
         # Each element of a tuple output is flattened on its own, so that the
         # modules among them can be remembered (see `_Memo`). Handles of our
         # arguments' states go back as slot numbers.
