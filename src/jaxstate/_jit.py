@@ -195,6 +195,10 @@ def _checkify_failed(out) -> Any:
     return jnp.any(jnp.stack(preds)) if preds else None
 
 
+def _debugging_nans() -> bool:
+    return jax.config.jax_debug_nans or jax.config.jax_debug_infs  # pyright: ignore
+
+
 def _has_callback(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if "callback" in eqn.primitive.name:
@@ -217,6 +221,7 @@ class _Compiled:
         # Until the first call has compiled, hide JAX's warning about donated
         # buffers it could not reuse (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
+        self._undonated = None
 
     def choose_donation(self, call) -> None:
         """On the first call: keep the state buffers out of donation if the function
@@ -230,7 +235,16 @@ class _Compiled:
         """
         jaxpr = self.jitted.trace(*call).jaxpr
         if _has_callback(jaxpr.jaxpr):
-            self.jitted = jax.jit(self._inner, donate_argnums=(1,), **self.jitkwargs)
+            self.jitted = self.undonated()
+
+    def undonated(self):
+        # `jax_debug_nans`/`jax_debug_infs` re-run a failing call, from the same
+        # inputs, to find the NaN: inputs that were donated would be gone by then.
+        if self._undonated is None:
+            self._undonated = jax.jit(
+                self._inner, donate_argnums=(1,), **self.jitkwargs
+            )
+        return self._undonated
 
     def _inner(self, kept, donated, bufs, _):
         # `bufs` holds the leaves of every distinct state, slot after slot.
@@ -359,6 +373,8 @@ class _JitWrapper:
                     else:
                         out_arrays, static, new_bufs = compiled.jitted(*call)
                     compiled.fresh = False
+                elif _debugging_nans():
+                    out_arrays, static, new_bufs = compiled.undonated()(*call)
                 else:
                     out_arrays, static, new_bufs = compiled.jitted(*call)
             finally:
