@@ -342,17 +342,6 @@ def _zeros_like_shapes(shapes):
     return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _shield(fn):
-    """Works around a known bug (see `test_known_bug_jit_of_a_wrapped_jaxstate_jit`):
-    `jaxstate.jit(g)` copies `g.__dict__` into itself, so when `g` is
-    `jax.vmap`/`jax.grad`/`jax.checkpoint` of a `jaxstate.jit` function (whose
-    `functools.wraps` copied the inner wrapper's attributes), the outer wrapper
-    compiles the *inner* function and drops the transform. Remove when fixed."""
-    if "fun" in getattr(fn, "__dict__", {}):
-        return lambda *args: fn(*args)
-    return fn
-
-
 def _wrap(w_key, pos: int, vmap_name, inner):
     kind = w_key[0]
     if kind == "jax.jit":
@@ -360,7 +349,7 @@ def _wrap(w_key, pos: int, vmap_name, inner):
     if kind == "eqx.filter_jit":
         return eqx.filter_jit(inner)
     if kind == "jaxstate.jit":
-        return jaxstate.jit(_shield(inner))
+        return jaxstate.jit(inner)
     if kind == "jaxstate.jit(closure)":
         # The state is reached through the closure: JAX's reference path.
         return lambda model, vals, uvals: jaxstate.jit(lambda v, u: inner(model, v, u))(
