@@ -2,7 +2,7 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 
 from ._flag import flag_value, to_flag
 from ._storage import Handle
@@ -50,7 +50,9 @@ class StateIndex(eqx.Module, Generic[_T]):
     _handle: Handle = eqx.field(repr=False)
     inference: bool = eqx.field(converter=to_flag)
 
-    def __init__(self, inference: bool = False, *, init: PyTree[Array] | None = None):
+    def __init__(
+        self, inference: bool = False, *, init: PyTree[ArrayLike] | None = None
+    ):
         """**Arguments:**
 
         - `inference`: if `True`, the state can be read but not written. Reads see
@@ -92,7 +94,7 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         return get_stacked(self)
 
-    def unsafe_set(self, value: PyTree[Array]) -> None:
+    def unsafe_set(self, value: PyTree[ArrayLike]) -> None:
         """Replaces the whole stored value, with any vmap batch axes in front.
 
         The counterpart of `unsafe_get`, for loading checkpoints or statistics from

@@ -3,7 +3,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax._src import core
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
@@ -86,7 +86,7 @@ def _create(storage: Storage, leaves, treedef, fn: str) -> None:
     storage.refs = refs
 
 
-def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
+def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     storage = resolve(index._handle)
     check_not_passed_in(storage, fn)
     leaves, treedef = _flatten_arrays(state, fn, "state")
@@ -116,7 +116,7 @@ def _set(index: StateIndex, state: PyTree[Array], fn: str) -> None:
         ref[...] = value
 
 
-def set_state(index: StateIndex, state: PyTree[Array]) -> None:
+def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
     """Stores a PyTree of arrays under `index`, as a side effect.
 
     Works eagerly and inside `jax.jit`, `eqx.filter_jit`, `vmap`, `scan`, `cond`,
@@ -156,7 +156,9 @@ def set_state(index: StateIndex, state: PyTree[Array]) -> None:
     _set(index, state, "set_state")
 
 
-def get_state(index: StateIndex, like: PyTree[Array] | None = None) -> PyTree[Array]:
+def get_state(
+    index: StateIndex, like: PyTree[ArrayLike] | None = None
+) -> PyTree[Array]:
     """Reads the state stored under `index`.
 
     **Arguments:**
@@ -241,7 +243,7 @@ def get_stacked(index: StateIndex) -> PyTree[Array]:
     return jtu.tree_unflatten(storage.treedef, values)
 
 
-def set_stacked(index: StateIndex, value: PyTree[Array]) -> None:
+def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
     storage = _eager_storage(index, "StateIndex.unsafe_set")
     assert storage.refs is not None
     leaves, treedef = _flatten_arrays(value, "StateIndex.unsafe_set", "value")

@@ -4,7 +4,7 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, BinaryIO
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -102,7 +102,7 @@ def is_state_index(x: Any) -> bool:
     return isinstance(x, StateIndex)
 
 
-def serialise_filter_spec(f: BinaryIO, x: Any) -> None:
+def serialise_filter_spec(f: Any, x: Any) -> None:
     """For `eqx.tree_serialise_leaves(..., filter_spec=jaxstate.serialise_filter_spec,
     is_leaf=jaxstate.is_state_index)`: writes a state's leaves too."""
     if isinstance(x, StateIndex):
@@ -112,7 +112,7 @@ def serialise_filter_spec(f: BinaryIO, x: Any) -> None:
         eqx.default_serialise_filter_spec(f, x)
 
 
-def deserialise_filter_spec(f: BinaryIO, x: Any) -> Any:
+def deserialise_filter_spec(f: Any, x: Any) -> Any:
     """For `eqx.tree_deserialise_leaves(..., filter_spec=
     jaxstate.deserialise_filter_spec, is_leaf=jaxstate.is_state_index)`: reads a
     state's leaves back into the state (in place)."""

@@ -198,7 +198,7 @@ def only_eager_vmaps() -> bool:
     return isinstance(trace, core.EvalTrace)
 
 
-def new_refs_eager(leaves: Sequence) -> tuple[jax.Array, ...]:
+def new_refs_eager(leaves: Sequence) -> tuple[jax.Ref, ...]:
     """Allocates one reference per leaf, holding the leaf's stacked value: leaves seen
     inside eager vmaps gain one leading axis per vmap, outermost first."""
     out = []
