@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax._src import core
+from jax._src import config, core
 from jax.experimental import checkify
 
 from ._storage import Handle, passed_in, state_lock, Storage
@@ -196,7 +196,8 @@ def _checkify_failed(out) -> Any:
 
 
 def _debugging_nans() -> bool:
-    return jax.config.jax_debug_nans or jax.config.jax_debug_infs  # pyright: ignore
+    # Read on every call: the config holders, not `jax.config`'s slower lookup.
+    return config.debug_nans.value or config.debug_infs.value
 
 
 def _has_callback(jaxpr) -> bool:
