@@ -11,9 +11,11 @@ one compiled function serves every model of the same structure and holds no stat
 See docs/design.md, "jaxstate.jit".
 """
 
+import collections
 import functools
+import itertools
+import operator
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
@@ -21,17 +23,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jax._src import config, core
 from jax.experimental import checkify
 
+from ._jit_args import ARRAY, Call, HANDLE, is_leaf, is_slot, Memo, OutPart
 from ._storage import Handle, passed_in, state_lock, Storage
 from ._vmap import is_eager
 
 
 _F = TypeVar("_F", bound=Callable)
 _Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 class _Static:
@@ -47,140 +48,19 @@ class _Static:
 jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
 
 
-def _is_handle(x) -> bool:
-    return type(x) is Handle
-
-
-# Entries of the per-call structure key. Array leaves are `_ARRAY`, handles are
-# `(_HANDLE, slot, signature id)`, anything else is the (hashable) leaf itself. Only
-# tuples and ints are hashed on the hot path.
-_ARRAY = object()
-_HANDLE = object()
-
-
-_LEAF = jtu.tree_structure(0)
-_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
-_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
-
-
-def _kind(cls: type) -> int:
-    # `isinstance(x, jax.Array)` goes through an ABC check; per type it is cached.
-    kind = _kinds.get(cls)
-    if kind is None:
-        kind = _kinds[cls] = (
-            _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
-        )
-    return kind
-
-
-_EMPTY_DICT = jtu.tree_structure({})
-
-
-class _Memo:
-    """Flattened forms of the arguments that are known not to have changed.
-
-    Equinox modules flatten in Python, which dominates the cost of a call. A module
-    passed again unchanged (the same object: modules are immutable), or returned by
-    the previous call and passed back (`model = step(model, x)`, built from leaves
-    this call already had), is not flattened again. Entries are held by weak
-    reference and die with their module; only those of the last call are kept. The
-    wrapped function itself is flattened once.
-    """
-
-    def __init__(self, fun):
-        self.fun = jtu.tree_flatten(fun, is_leaf=_is_handle)
-        self.entries: dict[int, tuple[Any, list, Any]] = {}
-        self.used: dict[int, tuple[Any, list, Any]] = {}
-
-    def _entry(self, tree, leaves, treedef):
-        key = id(tree)
-
-        def drop(ref):
-            for d in (self.entries, self.used):
-                if key in d and d[key][0] is ref:
-                    del d[key]
-
-        return (weakref.ref(tree, drop), leaves, treedef)
-
-    def flatten(self, tree):
-        if _kind(type(tree)) == _ARRAY_KIND:
-            return [tree], _LEAF
-        key = id(tree)
-        entry = self.entries.get(key)
-        if entry is not None and entry[0]() is tree:
-            self.used[key] = entry
-            return entry[1], entry[2]
-        leaves, treedef = jtu.tree_flatten(tree, is_leaf=_is_handle)
-        if isinstance(tree, eqx.Module):
-            self.used[key] = self._entry(tree, leaves, treedef)
-        return leaves, treedef
-
-    def remember(self, outs: list, flats: list) -> None:
-        for out, (leaves, treedef) in zip(outs, flats, strict=True):
-            if isinstance(out, eqx.Module):
-                self.used[id(out)] = self._entry(out, leaves, treedef)
-        self.entries, self.used = self.used, {}
-
-
-def _flatten(fun_kwargs_args, memo: _Memo):
-    """Flattens each part with handles as leaves. Returns the structure (for the
-    cache key: no array values, no storages), the array leaves, the distinct
-    storages, the first handle seen for each, all their references in order, and
-    how many arrays `fun`, the keyword arguments and the first argument hold."""
-    fun, kwargs, *args = fun_kwargs_args
-    flats = [memo.fun, ([], _EMPTY_DICT) if not kwargs else memo.flatten(kwargs)]
-    flats += [memo.flatten(a) for a in args]
-    treedefs, arrays, storages, handles, refs, spec = [], [], [], [], [], []
-    slot_of: dict[int, int] = {}
-    n_first = 0
-    for i, (leaves, treedef) in enumerate(flats):
-        treedefs.append(treedef)
-        for leaf in leaves:
-            kind = _kinds.get(type(leaf)) or _kind(type(leaf))
-            if kind == _ARRAY_KIND:
-                arrays.append(leaf)
-                spec.append(_ARRAY)
-            elif kind == _HANDLE_KIND:
-                storage = leaf.storage or leaf.get()  # `get` raises the freed error
-                slot = slot_of.get(storage.id)
-                if slot is None:
-                    slot = slot_of[storage.id] = len(storages)
-                    storages.append(storage)
-                    handles.append(leaf)
-                    refs.extend(storage.refs or ())
-                spec.append((_HANDLE, slot, storage.signature_id))
-            else:
-                spec.append(leaf)
-        if i <= 2:
-            n_first = len(arrays)
-    key = (tuple(treedefs), tuple(spec))
-    return key, arrays, storages, handles, refs, n_first
-
-
 def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
-        next(it)
-        if s is _ARRAY
-        else handles[s[1]]
-        if type(s) is tuple and len(s) == 3 and s[0] is _HANDLE
-        else s
-        for s in spec
+        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s for s in spec
     ]
 
 
-def _unflatten_parts(treedefs, leaves) -> list:
-    parts, start = [], 0
-    for treedef in treedefs:
-        stop = start + treedef.num_leaves
-        parts.append(jtu.tree_unflatten(treedef, leaves[start:stop]))
-        start = stop
-    return parts
+_get_buf = operator.attrgetter("_buf")
 
 
-def _buffers(refs: list) -> list[jax.Array]:
-    # The arrays inside the references, read without a copy: they are donated.
-    return [r._refs._buf for r in refs]
+def _write_back(impls: list, bufs: list) -> None:
+    # `map` runs the loop in C: it matters with hundreds of states.
+    collections.deque(map(setattr, impls, itertools.repeat("_buf"), bufs), maxlen=0)
 
 
 def _checkify_failed(out) -> Any:
@@ -213,7 +93,9 @@ class _Compiled:
     """One compiled function per argument structure."""
 
     def __init__(self, wrapper: "_JitWrapper", key):
-        self.treedefs, self.spec = key
+        self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
+        # The signature id of each slot, for the parts of returned modules.
+        self.slot_sigs = {s[1]: s[2] for _, spec in key for s in spec if is_slot(s)}
         self.jitkwargs = wrapper.jitkwargs
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
         self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **self.jitkwargs)
@@ -254,8 +136,11 @@ class _Compiled:
             refs = tuple(jax.new_ref(next(it)) for _ in real.refs or ())
             proxies.append(Storage.proxy(real, refs))
         handles = [Handle.of(p) for p in proxies]
-        leaves = _rebuild(self.spec, [*kept, *donated], handles)
-        fun, kwargs, *args = _unflatten_parts(self.treedefs, leaves)
+        it = iter([*kept, *donated])
+        fun, kwargs, *args = [
+            jtu.tree_unflatten(treedef, _rebuild(spec, it, handles))
+            for treedef, spec in self.key
+        ]
         with passed_in(self.passed):
             out = fun(*args, **kwargs)
         new_bufs = [r[...] for p in proxies for r in p.refs or ()]
@@ -268,29 +153,29 @@ class _Compiled:
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
         # Each element of a tuple output is flattened on its own, so that the
-        # modules among them can be remembered (see `_Memo`). Handles of our
-        # arguments' states go back as slot numbers.
+        # modules among them can be remembered (see `_jit_args.Memo`). Handles of
+        # our arguments' states go back as slot numbers.
         slot_of_proxy = {p.id: i for i, p in enumerate(proxies)}
         is_tuple = type(out) is tuple
         out_arrays, out_static = [], []
         for part in out if is_tuple else (out,):
-            leaves, treedef = jtu.tree_flatten(part, is_leaf=_is_handle)
+            leaves, treedef = jtu.tree_flatten(part, is_leaf=is_leaf)
             spec = []
             for leaf in leaves:
                 if isinstance(leaf, (jax.Array, core.Tracer)):
                     out_arrays.append(leaf)
-                    spec.append(_ARRAY)
+                    spec.append(ARRAY)
                 elif (
                     type(leaf) is Handle
                     and leaf.storage is not None
                     and (leaf.storage.id in slot_of_proxy)
                 ):
-                    spec.append((_HANDLE, slot_of_proxy[leaf.storage.id], None))
+                    spec.append((HANDLE, slot_of_proxy[leaf.storage.id], None))
                 else:
                     spec.append(leaf)
-            # The number of arrays, and whether the leaves are just those arrays.
-            n = sum(s is _ARRAY for s in spec)
-            out_static.append((treedef, tuple(spec), n, n == len(spec)))
+            out_static.append(
+                OutPart(treedef, tuple(spec), isinstance(part, eqx.Module))
+            )
         return out_arrays, _Static((is_tuple, tuple(out_static))), new_bufs
 
 
@@ -318,25 +203,23 @@ class _JitWrapper:
         self.hide_warning = donate in ("all", "all-except-first")
         self.jitkwargs = jitkwargs
         self.cache: dict[Any, _Compiled] = {}
-        self.memo = _Memo(fun)
+        self.memo = Memo(fun)
         self.last: tuple[Any, _Compiled] | None = None
         # Name and docstring only: copying `fun.__dict__` could copy another
         # wrapper's attributes (e.g. from a `jax.vmap` of a `jaxstate.jit` function)
         # over our own.
         functools.update_wrapper(self, fun, updated=())  # pyright: ignore
 
-    def _prepare(self, args, kwargs):
-        key, arrays, storages, handles, refs, n_first = _flatten(
-            (self.fun, kwargs, *args), self.memo
+    def _prepare(self, args, kwargs) -> tuple[_Compiled, Call, list, list]:
+        memo = self.memo
+        call = Call(
+            [memo.fun_part(), memo.kwargs_part(kwargs), *[memo.part(a) for a in args]]
         )
-        # Most calls repeat the previous structure, often with the very same treedef
-        # objects (see `_Memo`): compare by identity before hashing.
-        last = self.last
-        if (
-            last is not None
-            and len(key[0]) == len(last[0][0])
-            and all(a is b for a, b in zip(key[0], last[0][0], strict=True))
-            and key[1] == last[0][1]
+        # Most calls repeat the previous structure, usually with the very same key
+        # objects (see `_jit_args.Memo`): compare by identity before hashing.
+        key, last = call.key, self.last
+        if last is not None and (
+            all(map(operator.is_, key, last[0])) if len(key) == len(last[0]) else False
         ):
             compiled = last[1]
         else:
@@ -344,13 +227,14 @@ class _JitWrapper:
             if compiled is None:
                 compiled = self.cache[key] = _Compiled(self, key)
             self.last = (key, compiled)
+        arrays = call.arrays
         if self.donate == "none":
             kept, donated = arrays, []
         elif self.donate in ("all", "warn"):
             kept, donated = [], arrays
         else:  # all but the arrays of `fun`, the keyword arguments and the first
-            kept, donated = arrays[:n_first], arrays[n_first:]
-        return compiled, kept, donated, storages, handles, refs
+            kept, donated = arrays[: call.n_first], arrays[call.n_first :]
+        return compiled, call, kept, donated
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
@@ -359,48 +243,53 @@ class _JitWrapper:
         # Reading the buffers, dispatching, and swapping the results in is one step
         # for other threads: none may read a buffer this call is about to donate.
         with state_lock:
-            compiled, kept, donated, storages, handles, refs = self._prepare(
-                args, kwargs
-            )
-            compiled.passed = storages
+            compiled, call, kept, donated = self._prepare(args, kwargs)
+            compiled.passed = call.storages
             try:
-                call = (kept, donated, _buffers(refs), None)
+                inputs = (kept, donated, list(map(_get_buf, call.impls)), None)
                 if compiled.fresh:
-                    compiled.choose_donation(call)
+                    compiled.choose_donation(inputs)
                     if self.hide_warning:
                         with warnings.catch_warnings():
                             warnings.filterwarnings("ignore", "Some donated buffers")
-                            out_arrays, static, new_bufs = compiled.jitted(*call)
+                            out_arrays, static, new_bufs = compiled.jitted(*inputs)
                     else:
-                        out_arrays, static, new_bufs = compiled.jitted(*call)
+                        out_arrays, static, new_bufs = compiled.jitted(*inputs)
                     compiled.fresh = False
                 elif _debugging_nans():
-                    out_arrays, static, new_bufs = compiled.undonated()(*call)
+                    out_arrays, static, new_bufs = compiled.undonated()(*inputs)
                 else:
-                    out_arrays, static, new_bufs = compiled.jitted(*call)
+                    out_arrays, static, new_bufs = compiled.jitted(*inputs)
             finally:
                 compiled.passed = []
-            for ref, buf in zip(refs, new_bufs, strict=True):
-                ref._refs._buf = buf
-            is_tuple, out_static = static.value
-            outs, flats, start = [], [], 0
-            for treedef, spec, n, only_arrays in out_static:
-                leaves = out_arrays[start : start + n]
-                if not only_arrays:
-                    leaves = _rebuild(spec, leaves, handles)
-                start += n
-                outs.append(jtu.tree_unflatten(treedef, leaves))
-                flats.append((leaves, treedef))
-            self.memo.remember(outs, flats)
+            _write_back(call.impls, new_bufs)
+            is_tuple, out_parts = static.value
+            outs, start, memo = [], 0, self.memo
+            for op in out_parts:
+                arrays = out_arrays[start : start + op.n]
+                start += op.n
+                if op.is_leaf:
+                    out = arrays[0]
+                elif op.only_arrays:
+                    out = op.treedef.unflatten(arrays)
+                else:
+                    out = op.treedef.unflatten(_rebuild(op.spec, arrays, call.handles))
+                if op.module:
+                    part = op.part(arrays, call, compiled.slot_sigs)
+                    if part is not None:
+                        memo.remember(out, part)
+                outs.append(out)
+            memo.next_call()
         return tuple(outs) if is_tuple else outs[0]
 
     def lower(self, *args, **kwargs):
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
         with state_lock:
-            compiled, kept, donated, storages, _, refs = self._prepare(args, kwargs)
-            compiled.passed = storages
+            compiled, call, kept, donated = self._prepare(args, kwargs)
+            compiled.passed = call.storages
             try:
-                return compiled.jitted.lower(kept, donated, _buffers(refs), None)
+                bufs = list(map(_get_buf, call.impls))
+                return compiled.jitted.lower(kept, donated, bufs, None)
             finally:
                 compiled.passed = []
 

@@ -1,0 +1,291 @@
+"""How `jaxstate.jit` reads a call's arguments: cache key, arrays, states.
+
+Each argument becomes a `Part`: its tree structure, its array leaves, the distinct
+states it reaches (each a numbered *slot*), and a per-leaf `spec` that replaces arrays
+by `ARRAY` and handles by `(HANDLE, slot, signature id)`. `(treedef, spec)` is the
+argument's share of the cache key: it names structure, never values or storages.
+
+Working a part out means flattening the argument and looking at every leaf, which in
+Python costs far more than the compiled call of a small step. So parts are worked out
+once per argument *object* and remembered (`Memo`): an Equinox module passed again is
+the same object, and the modules a call returns get their parts for free, from what
+the compiled function already knows about its outputs (`OutPart`). A training loop
+(`model = step(model, x)`) therefore never flattens its model on the hot path.
+See docs/design.md, "jaxstate.jit".
+"""
+
+import itertools
+import weakref
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._flag import Flag
+from ._storage import Handle, Storage
+
+
+ARRAY = object()
+HANDLE = object()
+LEAF = jtu.tree_structure(0)
+
+_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
+
+
+def kind(cls: type) -> int:
+    # `isinstance(x, jax.Array)` goes through an ABC check; per type it is cached.
+    k = _kinds.get(cls)
+    if k is None:
+        k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
+    return k
+
+
+def is_array(x) -> bool:
+    return kind(type(x)) == _ARRAY_KIND
+
+
+def is_leaf(x) -> bool:
+    """Handles are leaves here (each becomes a slot). So are flags: immutable and
+    hashable, they are kept as they are, which spares an unflatten per flag."""
+    return type(x) is Handle or type(x) is Flag
+
+
+def is_slot(s) -> bool:
+    """Whether a spec entry stands for a state (rather than an array or a static)."""
+    return type(s) is tuple and len(s) == 3 and s[0] is HANDLE
+
+
+def ref_impls(storages) -> list:
+    # The objects inside the `jax.Ref`s that hold their buffers (`_buf`): reading
+    # and replacing buffers through them skips the `Ref` layer on the hot path.
+    return [r._refs for s in storages for r in s.refs or ()]
+
+
+class Part:
+    """What one argument (or the wrapped function itself) brings to a call."""
+
+    __slots__ = ("key", "arrays", "storages", "handles", "impls", "fixed")
+
+    def __init__(self, key, arrays, storages, handles, impls, fixed):
+        self.key: tuple[Any, tuple] = key  # (treedef, spec)
+        self.arrays: list = arrays
+        self.storages: list[Storage] = storages
+        self.handles: list[Handle] = handles  # the first handle seen for each slot
+        self.impls: list = impls
+        # Whether every state has its value already: until then a state's
+        # signature (and so the key) can still change, and the part is not kept.
+        self.fixed: bool = fixed
+
+
+def analyse(tree) -> Part:
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_leaf)
+    arrays, storages, handles, spec = [], [], [], []
+    slot_of: dict[int, int] = {}
+    for leaf in leaves:
+        k = _kinds.get(type(leaf)) or kind(type(leaf))
+        if k == _ARRAY_KIND:
+            arrays.append(leaf)
+            spec.append(ARRAY)
+        elif k == _HANDLE_KIND:
+            storage = leaf.storage or leaf.get()  # `get` raises the freed error
+            slot = slot_of.get(storage.id)
+            if slot is None:
+                slot = slot_of[storage.id] = len(storages)
+                storages.append(storage)
+                handles.append(leaf)
+            spec.append((HANDLE, slot, storage.signature_id))
+        else:
+            spec.append(leaf)
+    fixed = all(s.refs is not None for s in storages)
+    return Part(
+        (treedef, tuple(spec)),
+        arrays,
+        storages,
+        handles,
+        ref_impls(storages),
+        fixed,
+    )
+
+
+_EMPTY_DICT = analyse({})
+_ARRAY_KEY = (LEAF, (ARRAY,))
+
+
+class Call:
+    """A call's arguments, put together: the cache key, the arrays in order, and the
+    distinct states with their slots numbered across all arguments."""
+
+    __slots__ = ("key", "arrays", "n_first", "storages", "handles", "impls")
+
+    def __init__(self, parts: list):
+        # An array argument stands for itself (it needs no `Part` of its own).
+        keys, n_first = [], 0
+        stateful = []
+        for i, p in enumerate(parts):
+            if type(p) is Part:
+                keys.append(p.key)
+                if p.storages:
+                    stateful.append(p)
+                if i <= 2:
+                    n_first += len(p.arrays)
+            else:
+                keys.append(_ARRAY_KEY)
+                if i <= 2:
+                    n_first += 1
+        self.arrays = list(
+            itertools.chain.from_iterable(
+                p.arrays if type(p) is Part else (p,) for p in parts
+            )
+        )
+        self.n_first = n_first
+        if len(stateful) <= 1:
+            # Local slot numbers are the call's: nothing to renumber.
+            self.key = tuple(keys)
+            only = stateful[0] if stateful else _EMPTY_DICT
+            self.storages, self.handles, self.impls = (
+                only.storages,
+                only.handles,
+                only.impls,
+            )
+        else:
+            self._number_across(parts, keys)
+
+    def _number_across(self, parts, keys) -> None:
+        # Several arguments reach states (perhaps the same ones): one slot per
+        # distinct state, in order of first appearance over all arguments.
+        slot_of: dict[int, int] = {}
+        storages, handles = [], []
+        for i, p in enumerate(parts):
+            if type(p) is not Part or not p.storages:
+                continue
+            local = []
+            for storage, handle in zip(p.storages, p.handles, strict=True):
+                slot = slot_of.get(storage.id)
+                if slot is None:
+                    slot = slot_of[storage.id] = len(storages)
+                    storages.append(storage)
+                    handles.append(handle)
+                local.append(slot)
+            treedef, spec = p.key
+            spec = tuple((HANDLE, local[s[1]], s[2]) if is_slot(s) else s for s in spec)
+            keys[i] = (treedef, spec)
+        self.key = tuple(keys)
+        self.storages, self.handles = storages, handles
+        self.impls = ref_impls(storages)
+
+
+class OutPart:
+    """How the compiled function returns one element of its output: fixed when it is
+    traced, and shared by every call of that trace.
+
+    `spec` is as for an argument, except that states are `(HANDLE, slot, None)`,
+    with the *call's* slot numbers. For an Equinox module, `part` turns what a
+    call returned into the `Part` that module would have as an argument.
+    """
+
+    __slots__ = (
+        "treedef",
+        "spec",
+        "n",
+        "only_arrays",
+        "is_leaf",
+        "module",
+        "_template",
+    )
+
+    def __init__(self, treedef, spec: tuple, module: bool):
+        self.treedef = treedef
+        self.spec = spec
+        self.n = sum(s is ARRAY for s in spec)
+        self.only_arrays = self.n == len(spec)
+        self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(treedef)
+        self.module = module
+        self._template: Any = None
+
+    def _make_template(self, slot_sigs: dict[int, int]):
+        if 0 in slot_sigs.values() or any(
+            type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.spec
+        ):
+            # Holds a state the call did not receive, or one without a value yet,
+            # or a NumPy array made by the function: worked out when passed in.
+            return False
+        local_of: dict[int, int] = {}
+        spec = []
+        for s in self.spec:
+            if is_slot(s):
+                local = local_of.setdefault(s[1], len(local_of))
+                s = (HANDLE, local, slot_sigs[s[1]])
+            spec.append(s)
+        slot_map = list(local_of)
+        in_order = slot_map == list(range(len(slot_map)))
+        return (self.treedef, tuple(spec)), slot_map, in_order
+
+    def part(self, arrays: list, call: "Call", slot_sigs) -> Part | None:
+        if self._template is None:
+            self._template = self._make_template(slot_sigs)
+        if self._template is False:
+            return None
+        key, slot_map, in_order = self._template
+        if in_order and len(slot_map) == len(call.storages):
+            storages, handles, impls = call.storages, call.handles, call.impls
+        else:
+            storages = [call.storages[s] for s in slot_map]
+            handles = [call.handles[s] for s in slot_map]
+            impls = ref_impls(storages)
+        return Part(key, arrays, storages, handles, impls, True)
+
+
+class Memo:
+    """Parts of argument objects known not to have changed.
+
+    Modules are immutable, so a module passed again (the same object), or returned
+    by the previous call and passed back, has the part it had. Entries are held by
+    weak reference and die with their module; only those of the last call are kept.
+    The wrapped function's part is worked out once (while its states have values).
+    """
+
+    def __init__(self, fun):
+        self._fun = fun
+        self.fun = analyse(fun)
+        self.entries: dict[int, tuple[Any, Part]] = {}
+        self.used: dict[int, tuple[Any, Part]] = {}
+
+    def fun_part(self) -> Part:
+        if not self.fun.fixed:
+            self.fun = analyse(self._fun)
+        return self.fun
+
+    def kwargs_part(self, kwargs: dict) -> Part:
+        return _EMPTY_DICT if not kwargs else analyse(kwargs)
+
+    def part(self, tree) -> Any:
+        """The part of an argument; an array stands for itself."""
+        if (_kinds.get(type(tree)) or kind(type(tree))) == _ARRAY_KIND:
+            return tree
+        key = id(tree)
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is tree:
+            self.used[key] = entry
+            return entry[1]
+        part = analyse(tree)
+        if part.fixed and isinstance(tree, eqx.Module):
+            self.remember(tree, part)
+        return part
+
+    def remember(self, tree, part: Part) -> None:
+        key = id(tree)
+
+        def drop(ref):
+            for d in (self.entries, self.used):
+                if key in d and d[key][0] is ref:
+                    del d[key]
+
+        self.used[key] = (weakref.ref(tree, drop), part)
+
+    def next_call(self) -> None:
+        """Keeps what this call used or returned; forgets the rest."""
+        self.entries, self.used = self.used, {}
