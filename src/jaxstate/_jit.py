@@ -11,9 +11,7 @@ one compiled function serves every model of the same structure and holds no stat
 See docs/design.md, "jaxstate.jit".
 """
 
-import collections
 import functools
-import itertools
 import operator
 import warnings
 from collections.abc import Callable
@@ -27,6 +25,7 @@ from jax._src import config, core
 from jax.experimental import checkify
 
 from ._jit_args import ARRAY, Call, HANDLE, is_leaf, is_slot, Memo, OutPart
+from ._local import LocalRef
 from ._storage import Handle, passed_in, state_lock, Storage
 from ._vmap import is_eager
 
@@ -56,11 +55,6 @@ def _rebuild(spec, arrays, handles) -> list:
 
 
 _get_buf = operator.attrgetter("_buf")
-
-
-def _write_back(impls: list, bufs: list) -> None:
-    # `map` runs the loop in C: it matters with hundreds of states.
-    collections.deque(map(setattr, impls, itertools.repeat("_buf"), bufs), maxlen=0)
 
 
 def _checkify_failed(out) -> Any:
@@ -131,10 +125,12 @@ class _Compiled:
 
     def _inner(self, kept, donated, bufs, _):
         # `bufs` holds the leaves of every distinct state, slot after slot.
-        proxies, it = [], iter(bufs)
+        proxies, it, top = [], iter(bufs), core.trace_ctx.trace
         for real in self.passed:
-            refs = tuple(jax.new_ref(next(it)) for _ in real.refs or ())
-            proxies.append(Storage.proxy(real, refs))
+            refs = tuple(LocalRef(next(it), top) for _ in real.refs or ())
+            proxy = Storage.proxy(real, refs)
+            proxy.top = top
+            proxies.append(proxy)
         handles = [Handle.of(p) for p in proxies]
         it = iter([*kept, *donated])
         fun, kwargs, *args = [
@@ -233,7 +229,8 @@ class _JitWrapper:
         elif self.donate in ("all", "warn"):
             kept, donated = [], arrays
         else:  # all but the arrays of `fun`, the keyword arguments and the first
-            kept, donated = arrays[: call.n_first], arrays[call.n_first :]
+            n = call.n_first()
+            kept, donated = arrays[:n], arrays[n:]
         return compiled, call, kept, donated
 
     def __call__(self, *args, **kwargs):
@@ -262,7 +259,8 @@ class _JitWrapper:
                     out_arrays, static, new_bufs = compiled.jitted(*inputs)
             finally:
                 compiled.passed = []
-            _write_back(call.impls, new_bufs)
+            for impl, buf in zip(call.impls, new_bufs, strict=True):
+                impl._buf = buf
             is_tuple, out_parts = static.value
             outs, start, memo = [], 0, self.memo
             for op in out_parts:

@@ -14,7 +14,6 @@ the compiled function already knows about its outputs (`OutPart`). A training lo
 See docs/design.md, "jaxstate.jit".
 """
 
-import itertools
 import weakref
 from typing import Any
 
@@ -117,42 +116,32 @@ _ARRAY_KEY = (LEAF, (ARRAY,))
 
 class Call:
     """A call's arguments, put together: the cache key, the arrays in order, and the
-    distinct states with their slots numbered across all arguments."""
+    distinct states with their slots numbered across all arguments. An array
+    argument stands for itself (it needs no `Part` of its own)."""
 
-    __slots__ = ("key", "arrays", "n_first", "storages", "handles", "impls")
+    __slots__ = ("parts", "key", "arrays", "storages", "handles", "impls")
 
     def __init__(self, parts: list):
-        # An array argument stands for itself (it needs no `Part` of its own).
-        keys, n_first = [], 0
-        stateful = []
-        for i, p in enumerate(parts):
-            if type(p) is Part:
-                keys.append(p.key)
-                if p.storages:
-                    stateful.append(p)
-                if i <= 2:
-                    n_first += len(p.arrays)
-            else:
-                keys.append(_ARRAY_KEY)
-                if i <= 2:
-                    n_first += 1
-        self.arrays = list(
-            itertools.chain.from_iterable(
-                p.arrays if type(p) is Part else (p,) for p in parts
-            )
-        )
-        self.n_first = n_first
+        self.parts = parts
+        self.arrays = [
+            a for p in parts for a in (p.arrays if type(p) is Part else (p,))
+        ]
+        keys = [p.key if type(p) is Part else _ARRAY_KEY for p in parts]
+        stateful = [p for p in parts if type(p) is Part and p.storages]
         if len(stateful) <= 1:
             # Local slot numbers are the call's: nothing to renumber.
             self.key = tuple(keys)
             only = stateful[0] if stateful else _EMPTY_DICT
-            self.storages, self.handles, self.impls = (
-                only.storages,
-                only.handles,
-                only.impls,
-            )
+            self.storages = only.storages
+            self.handles = only.handles
+            self.impls = only.impls
         else:
             self._number_across(parts, keys)
+
+    def n_first(self) -> int:
+        """How many arrays the function, the keyword arguments and the first
+        argument hold."""
+        return sum(len(p.arrays) if type(p) is Part else 1 for p in self.parts[:3])
 
     def _number_across(self, parts, keys) -> None:
         # Several arguments reach states (perhaps the same ones): one slot per

@@ -7,6 +7,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
+from ._local import at_top
 from ._storage import check_not_passed_in, resolve, state_lock, Storage
 from ._vmap import (
     check_vmaps,
@@ -100,6 +101,12 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
         with state_lock:
             for ref, leaf in zip(storage.refs, leaves, strict=True):
                 ref[...] = jnp.asarray(leaf)
+        return
+    if at_top(storage):
+        # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
+        values = [jnp.asarray(leaf) for leaf in leaves]
+        for ref, value in zip(storage.refs, values, strict=True):
+            ref[...] = value
         return
     # Build every stacked value before writing any, so that a failure leaves the
     # stored state untouched.
@@ -207,6 +214,8 @@ def get_state(
             "inside the loop body, or read the state in the body and carry the "
             "predicate."
         )
+    if at_top(storage):
+        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
     out = [
         lax.stop_gradient(
             read_p.bind(

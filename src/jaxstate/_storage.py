@@ -46,6 +46,7 @@ class Storage:
         "member_avals",
         "batch_shape",
         "_signature_id",
+        "top",
         "__weakref__",
     )
 
@@ -57,6 +58,8 @@ class Storage:
         self.member_avals: tuple[core.ShapedArray, ...] = ()
         self.batch_shape: tuple[int, ...] = ()
         self._signature_id = 0
+        # For a stand-in inside a `jaxstate.jit` trace: that trace (see _local.py).
+        self.top: Any = None
 
     @property
     def signature_id(self) -> int:

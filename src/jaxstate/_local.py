@@ -1,0 +1,69 @@
+"""The references a `jaxstate.jit` trace gives the states passed to it.
+
+Inside the compiled function each state starts as a plain traced value (a donated
+input). Read and written at the top level of the function, it stays one: a read
+returns the current value, a write replaces it, and the last value is the output.
+That records nothing in the program, which keeps tracing and compiling a function
+with many states close to what the hand-threaded function costs.
+
+The first access from anywhere deeper (`vmap`, `grad`, `scan`, `cond`, a nested
+`jit`, ...) turns the value into a real `jax.Ref`, created at the top level, and
+every later access uses that reference: nested transforms need a reference to
+write through.
+"""
+
+from typing import Any
+
+import jax
+import jax.lax as lax
+from jax._src import core
+
+
+class LocalRef:
+    """Behaves like a `jax.Ref` for `ref[...]` and `ref[...] = value`."""
+
+    __slots__ = ("value", "ref", "top")
+
+    def __init__(self, value: Any, top: Any):
+        self.value = value
+        self.ref: Any = None
+        self.top = top  # the trace of the compiled function's body
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        current: Any = self.value if self.ref is None else self.ref
+        return current.shape
+
+    @property
+    def dtype(self) -> Any:
+        current: Any = self.value if self.ref is None else self.ref
+        return current.dtype
+
+    def _reference(self) -> Any:
+        if self.ref is None and core.trace_ctx.trace is not self.top:
+            with core.set_current_trace(self.top):
+                self.ref = jax.new_ref(self.value)
+            self.value = None
+        return self.ref
+
+    def __getitem__(self, idx):
+        ref = self._reference()
+        return self.value if ref is None else ref[idx]
+
+    def __setitem__(self, idx, value) -> None:
+        ref = self._reference()
+        if ref is None:
+            assert idx is Ellipsis
+            if core.typeof(value).weak_type:
+                # As a reference would: it keeps its strong type.
+                value = lax.convert_element_type(value, value.dtype)
+            self.value = value
+        else:
+            ref[idx] = value
+
+
+def at_top(storage) -> bool:
+    """Whether `storage` is a state passed to the `jaxstate.jit` function being
+    traced, used at the top level of that function (not inside any transform)."""
+    top = storage.top
+    return top is not None and top is core.trace_ctx.trace
