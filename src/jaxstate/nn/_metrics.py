@@ -241,7 +241,9 @@ class Accuracy(eqx.Module):
 
     def update(
         self,
-        predictions: Shaped[ArrayLike, "*batch ?classes"],
+        # Either `*batch classes` or `*batch`: an annotation cannot make an axis
+        # optional, so the body checks the shapes against `labels`.
+        predictions: Shaped[ArrayLike, "..."],
         labels: Int[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,
@@ -281,7 +283,7 @@ class Accuracy(eqx.Module):
 
     def __call__(
         self,
-        predictions: Shaped[ArrayLike, "*batch ?classes"],
+        predictions: Shaped[ArrayLike, "..."],
         labels: Int[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,

@@ -2,7 +2,7 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray, UInt32
+from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
@@ -74,10 +74,13 @@ class RNGStream(eqx.Module):
     state: StateIndex
     impl: str = eqx.field(static=True)
 
-    def __init__(self, seed_or_key: int | PRNGKeyArray | UInt32[Array, "2"]):
+    def __init__(
+        self, seed_or_key: Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
+    ):
         """**Arguments:**
 
-        - `seed_or_key`: an `int` seed, or a key from `jax.random.key` (or a legacy
+        - `seed_or_key`: an integer seed (a Python `int` or an integer scalar
+            array), or a key from `jax.random.key` (or a legacy
             `jax.random.PRNGKey`). Under `eqx.filter_vmap` over a batch of keys,
             each member gets a stream of its own.
 
