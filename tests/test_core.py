@@ -171,3 +171,20 @@ def test_repr_is_readable():
     index = jaxstate.StateIndex(init=(jnp.zeros(2), jnp.ones((), jnp.int32)))
     text = repr(index)
     assert "float32[2]" in text and "int32[]" in text and "inference=False" in text
+
+
+def test_repr_of_an_inference_flag_that_is_not_a_bool():
+    # Using such an index raises (docs/misuse.md, `inference-not-bool`), but printing
+    # it (a model in an error report, say) must work. (`eqx.tree_at` puts the array
+    # in, as `StateIndex(inference=array)` would; the typechecked run rejects that.)
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+    bad = eqx.tree_at(lambda i: i.inference, index, jnp.array([True, False]))
+    text = repr(bad)
+    assert "inference=Array([ True, False], dtype=bool)" in text
+    assert "float32[2]" in text
+    # A flag that `jax.jit` traced (a plain bool put in by `eqx.tree_at`).
+    plain = eqx.tree_at(lambda i: i.inference, index, True)
+    texts = []
+    jax.jit(lambda i: texts.append(repr(i)))(plain)
+    assert "inference=" in texts[0] and "bool[]" in texts[0]
+    assert repr(plain).startswith("StateIndex(inference=True,")

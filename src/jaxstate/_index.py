@@ -114,9 +114,13 @@ class StateIndex(eqx.Module, Generic[_T]):
     def __repr__(self) -> str:
         storage = self._handle.storage
         what = "freed" if storage is None else storage.describe()
-        return (
-            f"StateIndex(inference={flag_value(self.inference, 'StateIndex')}, {what})"
-        )
+        try:
+            inference = flag_value(self.inference, "StateIndex")
+        except (TypeError, RuntimeError):
+            # Not a bool (an array, a tracer): shown as it is; using the index
+            # raises the explanation.
+            inference = self.inference
+        return f"StateIndex(inference={inference!r}, {what})"
 
 
 def _check_index(index: Any, fn: str) -> None:
