@@ -1,7 +1,9 @@
+import contextlib
 import gc
 import os
 
 import jax
+import jaxtyping
 import pytest
 
 import jaxstate
@@ -42,3 +44,48 @@ def pytest_generate_tests(metafunc):
 def jit_impl(request, monkeypatch):
     monkeypatch.setattr(request.module, "jit", _JITS[request.param])
     return request.param
+
+
+#
+# The typechecked run: `pytest --jaxtyping-packages=jaxstate,beartype.beartype`
+# checks every annotation of jaxstate at run time (see docs/testing.md).
+#
+
+
+def typechecked(config: pytest.Config) -> bool:
+    """Whether this run checks jaxstate's annotations: `--jaxtyping-packages` lists
+    `jaxstate` (the last entry is the checker)."""
+    value = config.getoption("jaxtyping_packages", default=None)
+    if not value:
+        return False
+    packages = [p.strip() for p in value.split(",")[:-1]]
+    return any(p == "jaxstate" or p.startswith("jaxstate.") for p in packages)
+
+
+@pytest.fixture(name="typechecked")
+def typechecked_fixture(pytestconfig) -> bool:
+    return typechecked(pytestconfig)
+
+
+@pytest.fixture
+def wrong_type_raises(pytestconfig):
+    """`with wrong_type_raises(error, match=...):` around a call that passes a wrongly
+    typed argument on purpose, to test jaxstate's own error for it.
+
+    By default it is `pytest.raises(error, match=...)`. In the typechecked run the
+    checker may reject the call before jaxstate sees it, so a
+    `jaxtyping.TypeCheckError` is accepted too; jaxstate's own error must still
+    match. Whatever the test checks afterwards (that every state is unchanged) it
+    still checks. Use `pytest.raises` for calls that are well typed.
+    """
+    if not typechecked(pytestconfig):
+        return pytest.raises
+
+    @contextlib.contextmanager
+    def raises(error, *, match=None):
+        with pytest.raises((error, jaxtyping.TypeCheckError)) as info:
+            yield info
+        if not isinstance(info.value, jaxtyping.TypeCheckError) and match is not None:
+            info.match(match)
+
+    return raises

@@ -494,7 +494,7 @@ def test_ensemble(mode):
 
 
 @pytest.mark.parametrize("mode", ["batch", "ema"])
-def test_bad_input_leaves_state_alone(mode):
+def test_bad_input_leaves_state_alone(mode, wrong_type_raises):
     ours = jaxstate.nn.BatchNorm(C, "batch", mode=mode)
     theirs, state = _theirs(mode)
     x = _data(0, _shape(True))
@@ -508,10 +508,14 @@ def test_bad_input_leaves_state_alone(mode):
         _assert_trees_equal(after[1], before[1])
 
     # Wrong channel count (or a whole batch passed where one example belongs).
-    for bad in [jnp.ones((B, C + 2, 5)), jnp.ones((B, C - 1)), jnp.ones((B,))]:
+    for bad in [jnp.ones((B, C + 2, 5)), jnp.ones((B, C - 1))]:
         with pytest.raises(ValueError, match=r"\(3, \.\.\.\)"):
             _ours_fn(ours, bad)
         unchanged()
+    # Examples with no channel axis at all are not `Float[Array, "input_size ..."]`.
+    with wrong_type_raises(ValueError, match=r"\(3, \.\.\.\)"):
+        _ours_fn(ours, jnp.ones((B,)))
+    unchanged()
     with pytest.raises(ValueError, match=r"expects one example of shape \(3, \.\.\.\)"):
         ours(jnp.ones((B, C)))
     unchanged()
@@ -547,8 +551,8 @@ def test_bad_input_leaves_state_alone(mode):
 
 
 @pytest.mark.parametrize("mode", ["legacy", "EMA", "", None])
-def test_invalid_mode(mode):
-    with pytest.raises(ValueError, match="mode"):
+def test_invalid_mode(mode, wrong_type_raises):
+    with wrong_type_raises(ValueError, match="mode"):
         jaxstate.nn.BatchNorm(C, "batch", mode=mode)  # type: ignore[arg-type]
 
 

@@ -187,8 +187,8 @@ def test_static_arguments_and_methods():
     assert c.count.unsafe_get() == 5
 
 
-def test_bad_options():
-    with pytest.raises(ValueError, match="donate"):
+def test_bad_options(wrong_type_raises):
+    with wrong_type_raises(ValueError, match="donate"):
         jaxstate.jit(lambda x: x, donate="some")  # pyright: ignore
     with pytest.raises(ValueError, match="static_argnums"):
         jaxstate.jit(lambda x: x, static_argnums=0)

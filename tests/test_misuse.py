@@ -7,6 +7,10 @@ message containing the documented text, and every recorded state must be unchang
 (and unset indices still unset). An "Allowed" entry runs to the end (its `assert`s
 check the documented behaviour).
 
+In the typechecked run (docs/testing.md), the entries of `WRONG_TYPES` may raise
+`jaxtyping.TypeCheckError` instead (states are still checked), and those of
+`WRONG_TYPES_IN_SETUP` must raise it in their setup.
+
 `EXPECTED` lists the ids this file knows about; the ids in the document must be
 exactly these, so that an entry cannot be added or removed on one side only.
 """
@@ -23,6 +27,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import jaxtyping
 import numpy as np
 import pytest
 
@@ -99,6 +104,19 @@ EXPECTED = {
     "bn-inference-mode-jax-jit",
 }
 ALLOWED = {"same-index-twice"}
+# Entries that pass a wrongly typed argument: the typechecked run may reject it
+# before jaxstate does (see `wrong_type_raises` in conftest.py) ...
+WRONG_TYPES = {
+    "not-an-index",
+    "model-as-index",
+    "set-non-array",
+    "set-ref",
+    "jit-bad-donate",
+    "bn-mode",
+}
+# ... and those whose wrongly typed argument is already in the setup, which the
+# typechecked run rejects there (jaxstate itself only looks at it when it is used).
+WRONG_TYPES_IN_SETUP = {"inference-not-bool"}
 
 
 @dataclasses.dataclass
@@ -141,6 +159,7 @@ ENTRIES = _parse(DOC.read_text())
 
 def test_the_catalogue_and_this_file_list_the_same_misuses():
     assert set(ENTRIES) == EXPECTED
+    assert WRONG_TYPES | WRONG_TYPES_IN_SETUP <= EXPECTED - ALLOWED
     assert {e.id for e in ENTRIES.values() if e.error is None} == ALLOWED
     assert len(EXPECTED - ALLOWED) >= 25
 
@@ -189,18 +208,25 @@ def _split(code: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("entry_id", sorted(EXPECTED))
-def test_misuse(entry_id):
+def test_misuse(entry_id, typechecked, wrong_type_raises):
     entry = ENTRIES[entry_id]
     namespace = _namespace()
     if entry.error is None:
         exec(compile(entry.code, f"<misuse {entry_id}>", "exec"), namespace)
         return
     setup, misuse = _split(entry.code)
-    exec(compile(setup, f"<misuse {entry_id} setup>", "exec"), namespace)
+    setup_code = compile(setup, f"<misuse {entry_id} setup>", "exec")
+    if typechecked and entry_id in WRONG_TYPES_IN_SETUP:
+        with pytest.raises(jaxtyping.TypeCheckError):
+            exec(setup_code, namespace)
+        assert not _indices(namespace), f"{entry_id}: state was stored"
+        return
+    exec(setup_code, namespace)
     indices = _indices(namespace)
     before = _snapshot(indices)
     error = getattr(builtins, entry.error)
-    with pytest.raises(error, match=re.escape(entry.message)):
+    raises = wrong_type_raises if entry_id in WRONG_TYPES else pytest.raises
+    with raises(error, match=re.escape(entry.message)):
         exec(compile(misuse, f"<misuse {entry_id}>", "exec"), namespace)
     gc.collect()
     after = _snapshot(indices)

@@ -101,12 +101,13 @@ def test_mean_per_example_vmap_sums_over_the_batch(jit):
     )
 
 
-def test_mean_errors_leave_sums_unchanged():
+def test_mean_errors_leave_sums_unchanged(wrong_type_raises):
     mean = Mean()
     mean.update(jnp.array([1.0, 3.0]))
-    with pytest.raises(ValueError, match="broadcast"):
+    # (A weight that does not broadcast is not `Shaped[ArrayLike, "*#shape"]`.)
+    with wrong_type_raises(ValueError, match="broadcast"):
         mean.update(jnp.ones(3), weight=jnp.ones(2))
-    with pytest.raises(ValueError, match="broadcast"):
+    with wrong_type_raises(ValueError, match="broadcast"):
         jax.jit(lambda v, w: mean.update(v, w))(jnp.ones(3), jnp.ones(2))
     with pytest.raises(RuntimeError, match="axis_name="):
         jax.vmap(lambda v: mean.update(v))(jnp.ones(3))
@@ -170,10 +171,10 @@ def test_counter(jit):
     assert int(steps.value()) == 0
 
 
-def test_counter_errors_leave_count_unchanged():
+def test_counter_errors_leave_count_unchanged(wrong_type_raises):
     steps = Counter()
     steps()
-    with pytest.raises(ValueError, match="scalar"):
+    with wrong_type_raises(ValueError, match="scalar"):
         steps.increment(jnp.ones(3))
     with pytest.raises(RuntimeError, match="axis_name="):
         jax.vmap(lambda x: steps())(jnp.arange(3))

@@ -239,8 +239,8 @@ def test_split_inside_jit_raises_and_leaves_parent():
     assert int(parent.count) == 0
 
 
-def test_bad_seeds():
-    with pytest.raises(ValueError, match="filter_vmap"):
+def test_bad_seeds(wrong_type_raises):
+    with wrong_type_raises(ValueError, match="filter_vmap"):
         RNGStream(jax.random.split(jax.random.key(0), 2))
-    with pytest.raises(TypeError, match="int seed"):
+    with wrong_type_raises(TypeError, match="int seed"):
         RNGStream(jnp.ones(3))
