@@ -4,10 +4,13 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     result = subprocess.run(
         [

@@ -72,6 +72,7 @@ def test_compiled_code_has_no_callbacks_and_no_state_copies(name):
     fn(*args)  # and it runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["arg", "closed", "jaxstate"])
 def test_stepping_a_256_mib_state_is_in_place(mode):
     nbytes = 256 * MiB
@@ -87,6 +88,7 @@ def test_stepping_a_256_mib_state_is_in_place(mode):
     assert growth < 0.10 * nbytes, f"peak grew by {growth / MiB:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_the_in_place_measurement_sees_a_copy():
     nbytes = 64 * MiB
     probe = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")

@@ -9,6 +9,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 import jaxstate
 
@@ -45,6 +46,7 @@ def _wait(procs, tmp_path, timeout=300):
         assert p.returncode == 0, f"{name} failed:\n{log[-3000:]}"
 
 
+@pytest.mark.slow
 def test_two_processes_train_data_parallel_like_one(tmp_path):
     port = _free_port()
     common = ["--epochs", "1", "--optimizer", "sgd"]

@@ -8,7 +8,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_sharded_suite_on_eight_cpu_devices():
     here = pathlib.Path(__file__).parent
     env = {

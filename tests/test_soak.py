@@ -24,6 +24,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxstate
 
@@ -74,6 +75,7 @@ def _settle():
         gc.collect()
 
 
+@pytest.mark.slow
 def test_soak_many_models_memory_returns_to_baseline():
     fast_step = jaxstate.jit(lambda m, x: m(x))
     slow_step = jax.jit(lambda m, x: m(x))
