@@ -43,3 +43,25 @@ def test_batch_norm_example():
     exec(block, namespace)
     assert namespace["y"].shape == x.shape
     assert namespace["bn"].counter.unsafe_get() == 1
+
+
+def _test_command(text: str) -> str:
+    (command,) = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+        for line in block.splitlines()
+        if "pytest" in line and '".[test]"' in line
+    ]
+    return command
+
+
+def test_ci_runs_the_readmes_test_command_and_the_docs_show_it():
+    root = README.parent
+    command = _test_command(README.read_text())
+    # Both passes: the suite, and the suite with jaxstate's annotations checked.
+    assert "python -m pytest -q &&" in command
+    assert "--jaxtyping-packages=jaxstate,beartype.beartype" in command
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == command
+    for page in ["getting-started.md", "testing.md"]:
+        assert _test_command((root / "docs" / page).read_text()) == command, page
