@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import pytest
 
 import jaxstate
 from jaxstate import _jit_args
@@ -167,3 +168,22 @@ def test_remembered_parts_die_with_their_modules(collect):
     collect()
     assert storage() is None
     assert not step.memo.entries and not step.memo.used
+
+
+def test_returned_indices_are_reused_and_keep_their_flags():
+    @jaxstate.jit
+    def step(model):
+        jaxstate.set_state(model.a, jaxstate.get_state(model.a) + 1)
+        return model, jaxstate.tree_inference(model, True)
+
+    model, frozen = step(Two())
+    model2, frozen2 = step(model)
+    # Rebuilt once, then the same objects: indices hold no arrays.
+    assert model2.a is model.a and frozen2.b is frozen.b
+    assert model2.a is not frozen2.a
+    assert not model2.a.inference and frozen2.a.inference
+    assert model2.a._handle.storage is frozen2.a._handle.storage
+    assert float(frozen2.a.unsafe_get()) == 2.0
+    with pytest.raises(RuntimeError, match="inference mode"):
+        step(frozen2)
+    assert float(model.a.unsafe_get()) == 2.0

@@ -17,14 +17,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax._src import config, core
 from jax.experimental import checkify
 
-from ._jit_args import ARRAY, Call, HANDLE, is_leaf, is_slot, Memo, OutPart
+from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
 from ._local import LocalRef
 from ._storage import Handle, passed_in, state_lock, Storage
 from ._vmap import is_eager
@@ -148,30 +147,14 @@ class _Compiled:
                 jnp.where(failed, old, new)
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
-        # Each element of a tuple output is flattened on its own, so that the
+        # Each element of a tuple output is described on its own, so that the
         # modules among them can be remembered (see `_jit_args.Memo`). Handles of
         # our arguments' states go back as slot numbers.
-        slot_of_proxy = {p.id: i for i, p in enumerate(proxies)}
+        slot_of = {p.id: i for i, p in enumerate(proxies)}
         is_tuple = type(out) is tuple
-        out_arrays, out_static = [], []
-        for part in out if is_tuple else (out,):
-            leaves, treedef = jtu.tree_flatten(part, is_leaf=is_leaf)
-            spec = []
-            for leaf in leaves:
-                if isinstance(leaf, (jax.Array, core.Tracer)):
-                    out_arrays.append(leaf)
-                    spec.append(ARRAY)
-                elif (
-                    type(leaf) is Handle
-                    and leaf.storage is not None
-                    and (leaf.storage.id in slot_of_proxy)
-                ):
-                    spec.append((HANDLE, slot_of_proxy[leaf.storage.id], None))
-                else:
-                    spec.append(leaf)
-            out_static.append(
-                OutPart(treedef, tuple(spec), isinstance(part, eqx.Module))
-            )
+        parts = out if is_tuple else (out,)
+        out_static = [OutPart(part, slot_of) for part in parts]
+        out_arrays = [x for part in parts for x in OutPart.arrays(part)]
         return out_arrays, _Static((is_tuple, tuple(out_static))), new_bufs
 
 
@@ -271,7 +254,7 @@ class _JitWrapper:
                 elif op.only_arrays:
                     out = op.treedef.unflatten(arrays)
                 else:
-                    out = op.treedef.unflatten(_rebuild(op.spec, arrays, call.handles))
+                    out = op.treedef.unflatten(op.leaves(arrays, call))
                 if op.module:
                     part = op.part(arrays, call, compiled.slot_sigs)
                     if part is not None:

@@ -21,13 +21,16 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax._src import core
 
 from ._flag import Flag
+from ._index import StateIndex
 from ._storage import Handle, Storage
 
 
 ARRAY = object()
 HANDLE = object()
+INDEX = object()
 LEAF = jtu.tree_structure(0)
 
 _ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
@@ -58,6 +61,14 @@ def is_slot(s) -> bool:
     return type(s) is tuple and len(s) == 3 and s[0] is HANDLE
 
 
+# What the compiled function returns as arrays (anything else stays static).
+_OUT_ARRAY_TYPES = (jax.Array, core.Tracer)
+
+
+def _is_index(s) -> bool:
+    return type(s) is tuple and len(s) == 4 and s[0] is INDEX
+
+
 def ref_impls(storages) -> list:
     # The objects inside the `jax.Ref`s that hold their buffers (`_buf`): reading
     # and replacing buffers through them skips the `Ref` layer on the hot path.
@@ -67,9 +78,9 @@ def ref_impls(storages) -> list:
 class Part:
     """What one argument (or the wrapped function itself) brings to a call."""
 
-    __slots__ = ("key", "arrays", "storages", "handles", "impls", "fixed")
+    __slots__ = ("key", "arrays", "storages", "handles", "impls", "fixed", "indices")
 
-    def __init__(self, key, arrays, storages, handles, impls, fixed):
+    def __init__(self, key, arrays, storages, handles, impls, fixed, indices=None):
         self.key: tuple[Any, tuple] = key  # (treedef, spec)
         self.arrays: list = arrays
         self.storages: list[Storage] = storages
@@ -78,6 +89,9 @@ class Part:
         # Whether every state has its value already: until then a state's
         # signature (and so the key) can still change, and the part is not kept.
         self.fixed: bool = fixed
+        # The `StateIndex` objects returned for these states, by (slot, flag), kept
+        # for the next returned module: rebuilding them costs more than reusing.
+        self.indices: dict = {} if indices is None else indices
 
 
 def analyse(tree) -> Part:
@@ -119,7 +133,7 @@ class Call:
     distinct states with their slots numbered across all arguments. An array
     argument stands for itself (it needs no `Part` of its own)."""
 
-    __slots__ = ("parts", "key", "arrays", "storages", "handles", "impls")
+    __slots__ = ("parts", "key", "arrays", "storages", "handles", "impls", "indices")
 
     def __init__(self, parts: list):
         self.parts = parts
@@ -135,6 +149,7 @@ class Call:
             self.storages = only.storages
             self.handles = only.handles
             self.impls = only.impls
+            self.indices = only.indices
         else:
             self._number_across(parts, keys)
 
@@ -165,53 +180,119 @@ class Call:
         self.key = tuple(keys)
         self.storages, self.handles = storages, handles
         self.impls = ref_impls(storages)
+        self.indices = {}
 
 
 class OutPart:
     """How the compiled function returns one element of its output: fixed when it is
     traced, and shared by every call of that trace.
 
-    `spec` is as for an argument, except that states are `(HANDLE, slot, None)`,
+    `key_spec` is as for an argument, except that states are `(HANDLE, slot, None)`,
     with the *call's* slot numbers. For an Equinox module, `part` turns what a
-    call returned into the `Part` that module would have as an argument.
+    call returned into the `Part` that module would have as an argument. The
+    output itself is rebuilt from `treedef`, in which an index of one of the call's
+    states is a single leaf (`(INDEX, slot, flag, its treedef)`): see `leaves`.
     """
 
     __slots__ = (
         "treedef",
-        "spec",
+        "key_treedef",
+        "key_spec",
         "n",
         "only_arrays",
         "is_leaf",
         "module",
+        "_statics",
+        "_array_pos",
+        "_slot_pos",
+        "_index_pos",
         "_template",
     )
 
-    def __init__(self, treedef, spec: tuple, module: bool):
-        self.treedef = treedef
-        self.spec = spec
+    def __init__(self, out, slot_of: dict[int, int]):
+        """At trace time: `out` is one element of the function's output, holding
+        tracers; `slot_of` numbers the call's (stand-in) storages by id."""
+
+        def entry(leaf) -> Any:
+            if isinstance(leaf, _OUT_ARRAY_TYPES):
+                return ARRAY
+            storage = leaf.storage if type(leaf) is Handle else None
+            if storage is not None and storage.id in slot_of:
+                return (HANDLE, slot_of[storage.id], None)
+            if type(leaf) is StateIndex:  # one of `passed_index`
+                storage = leaf._handle.get()
+                return (INDEX, slot_of[storage.id], leaf.inference, None)
+            return leaf
+
+        def passed_index(x) -> bool:
+            if type(x) is not StateIndex or type(x.inference) is not Flag:
+                return False
+            storage = x._handle.storage
+            return storage is not None and storage.id in slot_of
+
+        leaves, self.key_treedef = jtu.tree_flatten(out, is_leaf=is_leaf)
+        self.key_spec = tuple(map(entry, leaves))
+        leaves, self.treedef = jtu.tree_flatten(
+            out, is_leaf=lambda x: is_leaf(x) or passed_index(x)
+        )
+        spec = list(map(entry, leaves))
         self.n = sum(s is ARRAY for s in spec)
         self.only_arrays = self.n == len(spec)
-        self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(treedef)
-        self.module = module
+        self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(self.treedef)
+        self.module = isinstance(out, eqx.Module)
+        # Where the arrays, states and indices go among the leaves (see `leaves`).
+        self._statics = [
+            None if s is ARRAY or is_slot(s) or _is_index(s) else s for s in spec
+        ]
+        self._array_pos = [i for i, s in enumerate(spec) if s is ARRAY]
+        self._slot_pos = [(i, s[1]) for i, s in enumerate(spec) if is_slot(s)]
+        self._index_pos = [
+            (i, (s[1], s[2]), jtu.tree_structure(leaf, is_leaf=is_leaf))
+            for i, (s, leaf) in enumerate(zip(spec, leaves, strict=True))
+            if _is_index(s)
+        ]
         self._template: Any = None
+
+    @staticmethod
+    def arrays(out) -> list:
+        """At trace time: the arrays of one element of the output, in the order
+        `leaves` expects them."""
+        return [x for x in jtu.tree_leaves(out) if isinstance(x, _OUT_ARRAY_TYPES)]
+
+    def leaves(self, arrays: list, call: "Call") -> list:
+        """The leaves to unflatten `treedef` with, from a call's output arrays."""
+        leaves = self._statics.copy()
+        for i, array in zip(self._array_pos, arrays, strict=True):
+            leaves[i] = array
+        handles = call.handles
+        for i, slot in self._slot_pos:
+            leaves[i] = handles[slot]
+        indices = call.indices
+        for i, slot_flag, treedef in self._index_pos:
+            index = indices.get(slot_flag)
+            if index is None:
+                slot, flag = slot_flag
+                index = indices[slot_flag] = treedef.unflatten([handles[slot], flag])
+            leaves[i] = index
+        return leaves
 
     def _make_template(self, slot_sigs: dict[int, int]):
         if 0 in slot_sigs.values() or any(
-            type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.spec
+            type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.key_spec
         ):
             # Holds a state the call did not receive, or one without a value yet,
             # or a NumPy array made by the function: worked out when passed in.
             return False
         local_of: dict[int, int] = {}
         spec = []
-        for s in self.spec:
+        for s in self.key_spec:
             if is_slot(s):
                 local = local_of.setdefault(s[1], len(local_of))
                 s = (HANDLE, local, slot_sigs[s[1]])
             spec.append(s)
         slot_map = list(local_of)
         in_order = slot_map == list(range(len(slot_map)))
-        return (self.treedef, tuple(spec)), slot_map, in_order
+        return (self.key_treedef, tuple(spec)), slot_map, in_order
 
     def part(self, arrays: list, call: "Call", slot_sigs) -> Part | None:
         if self._template is None:
@@ -221,11 +302,12 @@ class OutPart:
         key, slot_map, in_order = self._template
         if in_order and len(slot_map) == len(call.storages):
             storages, handles, impls = call.storages, call.handles, call.impls
+            indices = call.indices
         else:
             storages = [call.storages[s] for s in slot_map]
             handles = [call.handles[s] for s in slot_map]
-            impls = ref_impls(storages)
-        return Part(key, arrays, storages, handles, impls, True)
+            impls, indices = ref_impls(storages), None
+        return Part(key, arrays, storages, handles, impls, True, indices)
 
 
 class Memo:
