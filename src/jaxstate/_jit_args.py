@@ -137,19 +137,25 @@ class Call:
 
     def __init__(self, parts: list):
         self.parts = parts
-        self.arrays = [
-            a for p in parts for a in (p.arrays if type(p) is Part else (p,))
-        ]
-        keys = [p.key if type(p) is Part else _ARRAY_KEY for p in parts]
-        stateful = [p for p in parts if type(p) is Part and p.storages]
-        if len(stateful) <= 1:
+        arrays, keys, stateful, n_stateful = [], [], _EMPTY_DICT, 0
+        for p in parts:  # (one plain loop: this runs on every call)
+            if type(p) is Part:
+                arrays += p.arrays
+                keys.append(p.key)
+                if p.storages:
+                    stateful = p
+                    n_stateful += 1
+            else:
+                arrays.append(p)
+                keys.append(_ARRAY_KEY)
+        self.arrays = arrays
+        if n_stateful <= 1:
             # Local slot numbers are the call's: nothing to renumber.
             self.key = tuple(keys)
-            only = stateful[0] if stateful else _EMPTY_DICT
-            self.storages = only.storages
-            self.handles = only.handles
-            self.impls = only.impls
-            self.indices = only.indices
+            self.storages = stateful.storages
+            self.handles = stateful.handles
+            self.impls = stateful.impls
+            self.indices = stateful.indices
         else:
             self._number_across(parts, keys)
 
@@ -348,14 +354,14 @@ class Memo:
         return part
 
     def remember(self, tree, part: Part) -> None:
-        key = id(tree)
+        self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
 
-        def drop(ref):
-            for d in (self.entries, self.used):
-                if key in d and d[key][0] is ref:
+    def _drop(self, ref) -> None:
+        # The module died: forget its part (there are only a call's few entries).
+        for d in (self.entries, self.used):
+            for key, entry in list(d.items()):
+                if entry[0] is ref:
                     del d[key]
-
-        self.used[key] = (weakref.ref(tree, drop), part)
 
     def next_call(self) -> None:
         """Keeps what this call used or returned; forgets the rest."""
