@@ -153,10 +153,18 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         "",
         "Host time per call: the caller's thread, from the call until it returns, "
         "blocking after each call but not counting the wait. Clocks are wrapped "
-        "around the helpers `_JitWrapper.__call__` calls (src/jaxstate/_jit.py as "
-        "it was at this run); 7 rounds interleaved with the unmodified wrapper and "
-        "the hand-threaded step, medians. Host times of blocked calls differ from "
-        "the tables' pipelined figures; the split is what matters.",
+        "around what `_JitWrapper.__call__` calls (src/jaxstate/_jit.py and "
+        "_jit_args.py as they were at this run): `_prepare` and, inside it, "
+        "`memo.part` per argument and `Call(parts)`; the compiled `jax.jit` "
+        "function; the output's leaves, `OutPart.part`, `memo.remember` and "
+        "`memo.next_call`. Each piece is a clock's own time, less the clocks "
+        "inside it, so the pieces add up to the call; code inline in `__call__` "
+        "(the lock, reading and writing back the state buffers, the output "
+        "`tree_unflatten`, releasing the replaced buffers) is its rest, timed "
+        "alone below, and most of the clocks' own overhead is counted there (the "
+        "rest in `_prepare`). 7 rounds interleaved with the unmodified "
+        "wrapper and the hand-threaded step, medians. Host times of blocked calls "
+        "differ from the tables' pipelined figures; the split is what matters.",
         "",
     ]
     for key, title, b, top in profile["cases"]:
@@ -164,22 +172,39 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         if b.error:
             out += [f"Breakdown unavailable: {b.error}", ""]
             continue
+        facts = "; ".join(
+            f"{k}: {('yes' if v else 'no') if isinstance(v, bool) else v}"
+            for k, v in b.facts.items()
+        )
         out.append(
             "Per call: "
             + ", ".join(f"{v} {k}" for k, v in b.counts.items())
+            + (f" ({facts})" if facts else "")
             + f". Host time per call: unmodified jaxstate.jit **{b.plain_us:.1f} µs**"
             f" (instrumented {b.instrumented_us:.1f} µs); the hand-threaded step "
             f"**{b.hand_us:.1f} µs**."
         )
         out.append("")
+        if b.missing:
+            out += [
+                "Not clocked (this src/ has no such helper): "
+                + ", ".join(f"`{m}`" for m in b.missing)
+                + ".",
+                "",
+            ]
         total = sum(b.pieces.values())
         rows = [
             [P.LABELS[k], f"{v:.1f}", f"{100 * v / total:.0f}%"]
             for k, v in b.pieces.items()
         ]
-        rows.append(["sum", f"{total:.1f}", "100%"])
+        rows.append(["sum: `__call__`", f"{total:.1f}", "100%"])
         out += [
             md_table(Table("", ["piece of `__call__`", "µs/call", "share"], rows)),
+            "",
+            f"The instrumented host time ({b.instrumented_us:.1f} µs) is "
+            f"{b.instrumented_us - total:+.1f} µs off this sum: it also counts the "
+            "benchmark loop around the call (the next arguments, releasing the "
+            "previous ones), and the sum is of per-piece medians.",
             "",
         ]
         out += [
@@ -189,7 +214,8 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
                 Table(
                     "",
                     ["operation", "µs"],
-                    [[k, f"{v:.2f}"] for k, v in b.reference.items()],
+                    [[k, f"{v:.2f}"] for k, v in b.reference.items()]
+                    + [[k, f"not measured: {why}"] for k, why in b.skipped.items()],
                 )
             ),
             "",
@@ -253,33 +279,46 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
     discharge = "discharge the references"
     if extra.get(discharge, 0) > 0.2 * max(1e-9, js["total"] - hand["total"]):
         lines.append(
-            f"Discharging the references costs {js[discharge]:.0f} ms (the "
-            f"hand-threaded function: {hand[discharge]:.1f} ms): `_inner` wraps "
-            "every state buffer in a fresh `jax.new_ref`, so JAX must rewrite the "
-            "whole jaxpr to functional form before lowering (`_discharge_refs_"
-            "jaxpr`). If the body could be traced with the state as plain "
-            "values (proxies whose get/set read and replace a Python-side value "
-            "during tracing instead of a reference), this phase would go, and JAX "
-            "would lower a jaxpr like the hand-threaded one; whether that fits "
-            "jaxstate's vmap rules, which work on references, is for src/ to "
-            "judge."
+            f"Discharging references costs {js[discharge]:.0f} ms (the "
+            f"hand-threaded function: {hand[discharge]:.1f} ms), so the traced "
+            "jaxpr still holds references, which JAX rewrites to functional form "
+            "before lowering (`_discharge_refs_jaxpr`). States passed in are plain "
+            "values at the top level of the function (src/jaxstate/_local.py); one "
+            "becomes a `jax.new_ref` only when it is first read or written inside "
+            "a nested transform (vmap, grad, scan, cond, a nested jit), and a state "
+            "the function closes over rather than receives always goes through "
+            "JAX's reference path."
         )
     trace = "trace to a jaxpr"
     if extra.get(trace, 0) > 0:
         lines.append(
-            f"Tracing costs {js[trace]:.0f} ms against {hand[trace]:.0f} ms: "
-            "get_state/set_state bind jaxstate's own primitives and reference "
-            "reads/writes per state, on top of the arithmetic."
+            f"Tracing costs {js[trace]:.0f} ms against {hand[trace]:.0f} ms. At the "
+            "top level, get_state/set_state record nothing in the jaxpr (they read "
+            "and replace plain values); the difference is jaxstate's Python while "
+            "tracing: a proxy storage and handle per state, rebuilding the "
+            "arguments around them, the checks in get_state/set_state, and "
+            "describing the output (`OutPart`). Inside nested transforms they also "
+            "bind jaxstate's read/write primitives on references."
         )
     return lines
+
+
+def _short(piece: str) -> str:
+    return {
+        "total": "rest of `__call__`",
+        "_prepare": "rest of `_prepare`",
+        "Call": "`Call(parts)`",
+        "jitted": "compiled call",
+    }.get(piece, f"`{piece}`")
 
 
 def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
     from . import profile_jit as P
 
     lines = []
-    compiled = b.pieces.get("jitted", 0.0)
-    total = sum(b.pieces.values())
+    pieces, ref, counts = b.pieces, b.reference, b.counts
+    compiled = pieces.get("jitted", 0.0)
+    total = sum(pieces.values())
     python = total - compiled
     goal = {"S1": 1.15, "S3": 1.3}.get(key)
     res = results.get(key)
@@ -292,69 +331,136 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
                 f"step; {goal}× needs ≤ {goal * h:.1f} µs, "
                 + (f"i.e. {need:.1f} µs less per call." if need > 0 else "already met.")
             )
+    clock = ref.get(P.CLOCK, 0.0) * counts.get(P.N_CLOCKED, 0)
     if compiled:
         lines.append(
             f"Python around the compiled call: {python:.1f} µs of {total:.1f} µs "
-            f"({100 * python / max(1e-9, total):.0f}%). The compiled call itself: "
+            f"({100 * python / max(1e-9, total):.0f}%), of which about {clock:.1f} µs "
+            f"is the clocks' own overhead ({counts.get(P.N_CLOCKED, 0)} clocked "
+            f"calls at {ref.get(P.CLOCK, 0.0):.2f} µs). The compiled call itself: "
             f"{compiled:.1f} µs; the hand-threaded step's whole call: "
             f"{b.hand_us:.1f} µs (its argument flattening and output unflattening "
-            "included, done by jax.jit in C++, with Python callbacks for Equinox "
-            "modules)."
+            "included, done by jax.jit in C++, with Python callbacks for any "
+            "Equinox modules)."
         )
-    flat = b.pieces.get("_flatten", 0.0)
-    tf = b.reference.get(P.TF_IS_LEAF, 0.0)
-    tf_plain = b.reference.get(P.TF_PLAIN, 0.0)
-    leaves = b.counts.get(P.N_LEAVES, 0)
-    if flat and tf and flat < 0.8 * tf:
+    else:
         lines.append(
-            f"`_flatten`: {flat:.1f} µs, less than one `jtu.tree_flatten` of the "
-            f"arguments ({tf:.1f} µs): the model returned by the previous call is "
-            "not flattened again. What is left is the per-leaf loop and "
-            "flattening the other arguments."
+            "The compiled call was not clocked: how the time splits between Python "
+            "and the compiled call is not known from this run."
         )
-    elif flat:
+    biggest = sorted(
+        ((v, k) for k, v in pieces.items() if k != "jitted"), reverse=True
+    )[:3]
+    if biggest:
         lines.append(
-            f"`_flatten`: {flat:.1f} µs, of which `jtu.tree_flatten(..., "
-            f"is_leaf=_is_handle)` is {tf:.1f} µs (without `is_leaf`: "
-            f"{tf_plain:.1f} µs: Equinox modules and `Handle`s flatten through "
-            f"Python callbacks either way) and the per-leaf loop about "
-            f"{max(0.0, flat - tf):.1f} µs for {leaves} leaves. Here the argument "
-            "that carries the states is the same object on every call (the step "
-            "returns no new model): remembering its flattened form by identity "
-            "(weakly; Equinox modules are immutable) would skip all of this."
+            "Largest Python pieces: "
+            + "; ".join(f"{_short(k)} {v:.1f} µs" for v, k in biggest)
+            + "."
         )
-    prep = b.pieces.get("_prepare", 0.0)
-    if prep:
-        lookup = b.reference.get(P.GET_KEY, 0.0)
-        lines.append(
-            f"Cache lookup and donation split: {prep:.1f} µs; a dict lookup with "
-            f"the key of a call costs {lookup:.2f} µs alone (hash plus `==` of the "
-            "treedefs and the spec tuple, linear in the number of leaves)."
+    objs = b.facts.get(P.MEMO_HITS)
+    if "memo.part" in pieces and objs is not None:
+        hit, _, n = objs.partition(" of ")
+        analyse = ref.get(P.ANALYSE, 0.0)
+        if hit == n:
+            lines.append(
+                f"`memo.part`: {pieces['memo.part']:.1f} µs; every non-array "
+                f"argument ({n}) was found in the memo, so none was flattened "
+                f"(analysing them would cost {analyse:.1f} µs)."
+            )
+        else:
+            lines.append(
+                f"`memo.part`: {pieces['memo.part']:.1f} µs; {hit} of {n} "
+                f"non-array arguments were found in the memo, the others were "
+                f"analysed (flattened, every leaf looked at: {analyse:.1f} µs for "
+                "all of them alone). Only Equinox modules are remembered, by "
+                "identity, and only those passed in or returned by the previous "
+                "call: a tuple or dict of modules, or a new module each call, is "
+                "analysed every time."
+            )
+    if "_prepare" in pieces:
+        identical = b.facts.get(P.IDENTITY_HIT)
+        get_key = ref.get(P.GET_KEY)
+        how = (
+            f"the key was identical to the last call's, element by element "
+            f"({ref.get(P.KEY_IS, 0.0):.2f} µs alone)"
+            if identical
+            else "the key was not identical to the last call's, so the cache "
+            "was looked up by hash and `==`"
         )
-    rest = b.pieces.get("total", 0.0)
-    nested = b.reference.get(P.WB_NESTED, 0.0)
-    flat_wb = b.reference.get(P.WB_FLAT, 0.0)
-    hof = b.reference.get(P.HANDLE_OF, 0.0)
-    lines.append(
-        f"Rest of `__call__` (lock, write-back, `Handle.of`, output "
-        f"`tree_unflatten`): {rest:.1f} µs. Alone, the write-back loop takes "
-        f"{nested:.2f} µs as written (a `zip` per state) and {flat_wb:.2f} µs as "
-        f"one flat loop over references collected once; `Handle.of` for every "
-        f"state takes {hof:.2f} µs (needed only when the output holds handles)."
-    )
-    buffers = b.pieces.get("_buffers", 0.0)
-    if buffers > 2:
         lines.append(
-            f"`_buffers`: {buffers:.1f} µs, a list per state; a flat list of "
-            "references, collected once per call, would serve it and the "
-            "write-back."
+            f"Rest of `_prepare`: {pieces['_prepare']:.1f} µs, the overhead of the "
+            f"clocks inside it included; {how}"
+            + (
+                f"; a lookup with an equal, new key costs {get_key:.2f} µs alone."
+                if get_key is not None
+                else "."
+            )
+        )
+    rest = pieces.get("total")
+    if rest is not None:
+        inline = [
+            (P.LOCK, "the state lock"),
+            (P.READ_BUFS, f"reading the {counts.get(P.N_BUFS, 0)} state buffers"),
+            (P.WRITE_BACK, "the write-back loop"),
+            (P.UNFLATTEN, "the output `tree_unflatten`"),
+            (P.FREE_DONATED, "releasing the replaced buffers"),
+        ]
+        known = [(what, ref[k]) for k, what in inline if k in ref]
+        alone = sum(v for _, v in known)
+        lines.append(
+            f"Rest of `__call__`: {rest:.1f} µs. Timed alone: "
+            + ", ".join(f"{what} {v:.2f} µs" for what, v in known)
+            + f"; {alone:.1f} µs together. The other {max(0.0, rest - alone):.1f} "
+            "µs are most of the clocks' overhead and the wrapper's own Python "
+            "between these: the eager and debug-NaN checks, the compiled call's "
+            "argument tuple, the loop over the output's parts, the result tuple."
+        )
+    unflatten = ref.get(P.UNFLATTEN, 0.0)
+    modules = counts.get(P.N_OUT_MODULES, 0)
+    if unflatten and modules:
+        lines.append(
+            f"The output `tree_unflatten` ({unflatten:.1f} µs) rebuilds {modules} "
+            "Equinox modules, each by a Python callback from C++ (Equinox's "
+            "unflatten makes the module with `object.__new__` and sets every "
+            "field); a hand-threaded step that returns the model pays the same, "
+            "inside its compiled call. Only a rebuild that calls no Python "
+            "per module (a C++ unflatten, or one keyed by the output part's "
+            "identity) would shrink it."
         )
     if compiled > b.hand_us > 0:
+        node = b.facts.get(P.STATIC_NODE)
         lines.append(
             f"The compiled call alone costs {compiled - b.hand_us:.1f} µs more than "
             f"the hand-threaded step's entire call; its boundary carries "
-            f"{b.counts.get(P.N_ARRAYS, 0)} argument arrays and "
-            f"{b.counts.get(P.N_BUFS, 0)} donated state buffers in and out (a list "
-            "per state) plus the `_Static` output node."
+            f"{counts.get(P.N_ARRAYS, 0)} argument arrays and "
+            f"{counts.get(P.N_BUFS, 0)} donated state buffers in, "
+            f"{counts.get(P.N_OUT_ARRAYS, 0)} arrays and the state buffers out, "
+            "as flat lists"
+            + (
+                f", plus the static output node {node}, which its dispatch "
+                "unflattens through a Python callback."
+                if node
+                else "."
+            )
+        )
+    if compiled and python > 0:
+        floor = max(0.0, python - clock)
+        objs = b.facts.get(P.MEMO_HITS, "")
+        hit, _, n = objs.partition(" of ")
+        lines.append(
+            f"What is left to close: about {floor:.1f} µs of Python per call "
+            "without the clocks. "
+            + (
+                "It includes no argument flattening (every argument was found in "
+                "the memo) and no `jax.Ref` operation (the buffers are read and "
+                "replaced directly); "
+                if objs and hit == n
+                else "Apart from analysing the arguments not found in the memo, "
+            )
+            + "it is the wrapper's floor (the lock, the memo lookups, `Call`, the "
+            "key check, the buffer read and write-back, the output rebuild), a "
+            "few µs or less each. Removing it needs fewer Python steps per call "
+            "rather than faster ones: e.g. the whole per-call path in C++, next "
+            "to jax.jit's own dispatch."
         )
     return lines
