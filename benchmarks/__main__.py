@@ -14,6 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax.numpy as jnp
+
+import jaxstate
+
 from . import profile_jit, s1_dispatch, s2_cnn, s3_many, s4_memory, s5_loops
 from ._harness import (
     check,
@@ -245,13 +249,21 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         return None
     out: dict = {"missed": missed, "cases": []}
     cases = [("S1", s1_dispatch)]
-    if "S3" in results and not results["S3"].met:
-        cases.append(("S3", s3_many))
+    for key, module in (("S3", s3_many), ("S5", s5_loops)):
+        if key in results and not results[key].met:
+            cases.append((key, module))
     for key, module in cases:
         if key == "S1":
             fun, args = s1_dispatch.profile_setup()
             hand = s1_dispatch._hand_variant()
             nxt = lambda out, a: (out[0], a[1])
+            calls = cfg.profile_calls
+        elif key == "S5":
+            xs, s0 = s5_loops._data()
+            index = jaxstate.StateIndex(init=jnp.asarray(s0))
+            fun, args = s5_loops.js_scan, (s5_loops.Holder(index), xs)
+            hand = s5_loops._carry_variant()
+            nxt = lambda out, a: a
             calls = cfg.profile_calls
         else:
             x, states = s3_many._init()
