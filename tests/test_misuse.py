@@ -70,7 +70,6 @@ EXPECTED = {
     "fewer-vmaps",
     "vmap-size",
     "cond-per-member-write",
-    "cond-per-member-read",
     # loops and differentiation
     "while-cond-reads-state",
     "grad-scan-cond",

@@ -260,3 +260,33 @@ def test_cond_with_per_member_predicate_is_refused_clearly():
         )
     )(jnp.array([True, False]))
     np.testing.assert_array_equal(ens.unsafe_get(), [1, 0])
+
+
+def test_cond_with_per_member_predicate_may_read_state():
+    # Reading has no side effect: every branch runs and the chosen one is selected.
+    total = jaxstate.StateIndex(init=jnp.array(5.0))
+    ens = eqx.filter_vmap(lambda i: jaxstate.StateIndex(init=i * 10.0))(jnp.arange(3.0))
+
+    def f(i, x):
+        return lax.switch(
+            i,
+            [
+                lambda x: jaxstate.get_state(ens) + x,
+                lambda x: x * 2 + jaxstate.get_state(total),
+                lambda x: -jaxstate.get_state(ens),
+            ],
+            x,
+        )
+
+    out = jit(jax.vmap(f))(jnp.array([0, 1, 2]), jnp.ones(3))
+    np.testing.assert_array_equal(out, [1.0, 7.0, -20.0])
+    # Gradients flow through the chosen branch only; state gets none.
+    grad = jax.grad(lambda xs: jnp.sum(jax.vmap(f)(jnp.array([0, 1, 2]), xs)))
+    np.testing.assert_array_equal(jit(grad)(jnp.ones(3)), [1.0, 2.0, 0.0])
+    # A branch that writes is still refused, and nothing is written.
+    with pytest.raises(NotImplementedError, match="cannot write state"):
+        jit(jax.vmap(lambda i: lax.cond(i > 0, lambda: _incr(ens), lambda: None)))(
+            jnp.array([0, 1, 2])
+        )
+    np.testing.assert_array_equal(ens.unsafe_get(), [0.0, 10.0, 20.0])
+    assert float(total.unsafe_get()) == 5.0

@@ -5,10 +5,12 @@ rule unchanged. They exist because jaxstate keeps state in *unbatched* reference
 does its own per-member slicing (see `_vmap.py` and docs/design.md, "vmap").
 """
 
+import jax.lax as lax
+from jax._src import core
 from jax._src.interpreters import batching
 from jax._src.lax.control_flow import conditionals
 from jax._src.state import primitives as state_primitives
-from jax._src.state.types import RefEffect
+from jax._src.state.types import AbstractRef, ReadEffect, RefEffect
 
 
 _fancy = batching.fancy_primitive_batchers
@@ -29,26 +31,28 @@ def _swap_batcher(axis_data, vals, dims, **params):
 #
 # JAX refuses `lax.cond` with any reference effect under vmap. With a predicate that
 # is the same for every member the branches can be batched like any other function:
-# the cond stays a cond. With a per-member predicate JAX would run both branches and
-# select (so both branches' writes would land), which stays refused, with a message
-# that says what to do instead.
+# the cond stays a cond. With a per-member predicate JAX runs every branch and
+# selects: fine for branches that only read state, but every branch's writes would
+# land, so writing stays refused, with a message that says what to do instead.
 #
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
-    has_ref_effects = any(
-        isinstance(eff, RefEffect) for b in branches for eff in b.jaxpr.effects
-    )
-    if not has_ref_effects:
+    effects = [
+        eff for b in branches for eff in b.jaxpr.effects if isinstance(eff, RefEffect)
+    ]
+    if not effects:
         return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
     index, *ops = args
     index_dim, *op_dims = dims
     if index_dim is not None:
-        raise NotImplementedError(
-            "A `lax.cond`/`lax.switch` whose predicate differs between vmap members "
-            "cannot write state: under vmap JAX runs both branches and selects, so "
-            "both branches' writes would land. Compute both candidate values and "
-            "write the chosen one, e.g. "
-            "`set_state(index, jnp.where(pred, new, get_state(index)))`."
-        )
+        if not all(isinstance(eff, ReadEffect) for eff in effects):
+            raise NotImplementedError(
+                "A `lax.cond`/`lax.switch` whose predicate differs between vmap "
+                "members cannot write state: under vmap JAX runs every branch and "
+                "selects, so every branch's writes would land. Compute the candidate "
+                "values and write the chosen one, e.g. "
+                "`set_state(index, jnp.where(pred, new, get_state(index)))`."
+            )
+        return _select_branches(axis_data, index, index_dim, ops, op_dims, branches)
     ops_batched = [d is not None for d in op_dims]
     ops = [
         batching.moveaxis(x, d, 0) if d is not None else x
@@ -70,6 +74,32 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
     )
     out = conditionals.cond_p.bind(index, *ops, branches=batched, **params)
     return out, [0 if b else None for b in out_batched]
+
+
+def _select_branches(axis_data, index, index_dim, ops, op_dims, branches):
+    # As JAX does for a per-member predicate without state, except that references
+    # stay unbatched (reading them in every branch changes nothing).
+    size, mesh_axis = axis_data.size, axis_data.explicit_mesh_axis
+    is_ref = [isinstance(core.typeof(x), AbstractRef) for x in ops]
+    index = batching.bdim_at_front(index, index_dim, size, mesh_axis=mesh_axis)
+    ops = [
+        x if r else batching.bdim_at_front(x, d, size, mesh_axis=mesh_axis)
+        for x, d, r in zip(ops, op_dims, is_ref, strict=True)
+    ]
+    in_batched = [not r for r in is_ref]
+    out_batched = [True] * len(branches[0].out_avals)
+    outs = []
+    for i, branch in enumerate(branches):
+        batched = batching.batch_jaxpr(branch, axis_data, in_batched, out_batched)[0]
+        # Unselected branches get no gradient (JAX's guard against NaNs there).
+        chosen = lax.eq(index, lax.full_like(index, i))
+        ops_i = [
+            x if r else conditionals._bcast_select(chosen, x, lax.stop_gradient(x))
+            for x, r in zip(ops, is_ref, strict=True)
+        ]
+        outs.append(core.jaxpr_as_fun(batched)(*ops_i))
+    out = [conditionals._bcast_select_n(index, *xs) for xs in zip(*outs, strict=True)]
+    return out, [0] * len(out)
 
 
 _jax_swap_batcher = _fancy[state_primitives.swap_p]
