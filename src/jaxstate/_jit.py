@@ -1,13 +1,15 @@
 """`jaxstate.jit`: `eqx.filter_jit` whose state travels as donated arrays.
 
 Any call that touches a `jax.Ref` runs JAX's Python dispatch path (tens of µs). Here
-the state reachable from the arguments is instead passed in as donated arrays, wrapped
-in fresh references inside the compiled function, and handed back as outputs; the
-new buffers are then swapped into the storages' references. The compiled call itself
-has only plain arrays at its boundary, so it takes JAX's C++ fast path, and XLA
-aliases each state output to its donated input: updates stay in place.
+the state reachable from the arguments is instead passed in as donated arrays, held
+as plain values inside the compiled function (a reference only where a nested
+transform needs one: `_local.py`), and handed back as outputs; the new buffers are
+then swapped into the storages' references. The compiled call itself has only plain
+arrays at its boundary, so it takes JAX's C++ fast path, and XLA aliases each state
+output to its donated input: updates stay in place.
 The cache is keyed by structure alone (handles are replaced by slot numbers), so
 one compiled function serves every model of the same structure and holds no state.
+Arguments are worked out once per object (`_jit_args.py`).
 See docs/design.md, "jaxstate.jit".
 """
 

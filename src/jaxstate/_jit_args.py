@@ -31,7 +31,6 @@ from ._storage import Handle, Storage
 ARRAY = object()
 HANDLE = object()
 INDEX = object()
-LEAF = jtu.tree_structure(0)
 
 _ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
@@ -44,10 +43,6 @@ def kind(cls: type) -> int:
     if k is None:
         k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
     return k
-
-
-def is_array(x) -> bool:
-    return kind(type(x)) == _ARRAY_KIND
 
 
 def is_leaf(x) -> bool:
@@ -125,7 +120,7 @@ def analyse(tree) -> Part:
 
 
 _EMPTY_DICT = analyse({})
-_ARRAY_KEY = (LEAF, (ARRAY,))
+_ARRAY_KEY = (jtu.tree_structure(0), (ARRAY,))  # an array argument's key
 
 
 class Call:
