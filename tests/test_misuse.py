@@ -89,6 +89,7 @@ EXPECTED = {
     # beyond jit
     "export-closed-state",
     "pmap-state",
+    "shard-map-closed-state",
     "to-pure-unset",
     "pure-state-names",
     "load-state-dict-shape",

@@ -11,11 +11,11 @@ from ._local import at_top
 from ._storage import check_not_passed_in, resolve, state_lock, Storage
 from ._vmap import (
     check_vmaps,
-    in_while_cond,
     is_eager,
     new_refs_eager,
     only_eager_vmaps,
     read_p,
+    traced_for,
     vmap_sizes,
     write_p,
 )
@@ -87,6 +87,20 @@ def _create(storage: Storage, leaves, treedef, fn: str) -> None:
     storage.refs = refs
 
 
+def _check_not_in_shard_map(index, storage: Storage, enclosing, fn: str) -> None:
+    # Inside `jaxstate.shard_map` (or `run_with_state`) the storage is redirected to
+    # one made inside the body; anything else would be a reference from outside it.
+    if "shard_map" in enclosing and storage is index._handle.get():
+        raise RuntimeError(
+            f"`{fn}` reached state from inside a `shard_map` (or `pmap`, which is "
+            "built on it) body that did not receive it: JAX's references cannot "
+            "cross into the body. Pass the model holding the state as an argument "
+            "of `jaxstate.shard_map(f, ..., state_specs=...)`, which hands the state "
+            "in and writes it back, or make the function pure with "
+            "`jaxstate.to_pure` and `pmap` that."
+        )
+
+
 def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     storage = resolve(index._handle)
     check_not_passed_in(storage, fn)
@@ -108,6 +122,7 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
         for ref, value in zip(storage.refs, values, strict=True):
             ref[...] = value
         return
+    _check_not_in_shard_map(index, storage, traced_for(), fn)
     # Build every stacked value before writing any, so that a failure leaves the
     # stored state untouched.
     stacked = [
@@ -205,7 +220,11 @@ def get_state(
         with state_lock:
             values = [r[...] for r in storage.refs]
         return jtu.tree_unflatten(storage.treedef, values)
-    if in_while_cond():
+    if at_top(storage):
+        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+    enclosing = traced_for()
+    _check_not_in_shard_map(index, storage, enclosing, "get_state")
+    if "while_cond" in enclosing:
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
             "loop keeps a separate copy of state read there, so the condition would "
@@ -214,8 +233,6 @@ def get_state(
             "inside the loop body, or read the state in the body and carry the "
             "predicate."
         )
-    if at_top(storage):
-        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
     out = [
         lax.stop_gradient(
             read_p.bind(

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad, batching, mlir
+from jax._src.shard_map import ShardMapTrace
 
 
 def _sizes(levels: Sequence) -> str:
@@ -224,16 +225,19 @@ def new_refs_eager(leaves: Sequence) -> tuple[jax.Ref, ...]:
     return tuple(out)
 
 
-def in_while_cond() -> bool:
-    """Whether any enclosing trace is the condition of a `lax.while_loop`."""
-    trace = core.trace_ctx.trace
+def traced_for() -> set[str]:
+    """What the enclosing traces were made for (`"jit"`, `"while_cond"`,
+    `"shard_map"`, which `pmap` is built on, ...)."""
+    names, trace = set(), core.trace_ctx.trace
     while trace is not None:
+        if isinstance(trace, ShardMapTrace):  # an eager `shard_map`
+            names.add("shard_map")
         frame = getattr(trace, "frame", None)
-        info = getattr(frame, "debug_info", None)
-        if getattr(info, "traced_for", None) == "while_cond":
-            return True
+        name = getattr(getattr(frame, "debug_info", None), "traced_for", None)
+        if name is not None:
+            names.add(name)
         trace = getattr(trace, "parent_trace", None)
-    return False
+    return names
 
 
 def is_eager() -> bool:
