@@ -89,17 +89,6 @@ def test_get_before_set():
         index.unsafe_get()
 
 
-def test_first_set_inside_jit_is_refused():
-    index = jaxstate.StateIndex()
-    with pytest.raises(RuntimeError, match="outside transforms"):
-        jit(lambda: jaxstate.set_state(index, jnp.zeros(2)))()
-    with pytest.raises(RuntimeError, match="outside transforms"):
-        jax.grad(lambda x: (jaxstate.set_state(index, x), x)[1])(1.0)
-    assert not index.is_set
-    jaxstate.set_state(index, jnp.zeros(2))  # still usable afterwards
-    assert index.is_set
-
-
 def test_set_in_inference_mode_changes_nothing():
     index = jaxstate.tree_inference(_state(), True)
     with pytest.raises(RuntimeError, match="tree_inference"):

@@ -60,9 +60,6 @@ EXPECTED = {
     "shared-index",
     "same-index-twice",
     # state created in the wrong place
-    "first-set-in-jit",
-    "first-set-in-scan",
-    "init-in-jit",
     "unsafe-get-in-transform",
     "unsafe-set-in-transform",
     # vmap

@@ -4,7 +4,8 @@ from typing import Any
 
 import jax.tree_util as jtu
 import numpy as np
-from jax._src import core
+
+from . import _jax
 
 
 class Flag:
@@ -61,7 +62,7 @@ def flag_value(value: Any, what: str) -> bool:
         return value.value
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    if isinstance(value, core.Tracer):
+    if isinstance(value, _jax.Tracer):
         raise RuntimeError(
             f"The `inference` flag of this {what} is a traced value, so whether it is "
             "in inference mode cannot be known while compiling. This happens when "

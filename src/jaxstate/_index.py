@@ -78,7 +78,9 @@ class StateIndex(eqx.Module, Generic[_T]):
     @property
     def is_set(self) -> bool:
         """Whether any state has been stored under this index yet."""
-        return self._handle.get().refs is not None
+        from ._create import is_set
+
+        return is_set(self._handle.get())
 
     def unsafe_get(self) -> PyTree[Array]:
         """Returns the whole stored value, with any vmap batch axes in front.

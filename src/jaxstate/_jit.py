@@ -22,9 +22,9 @@ from typing import Any, Literal, overload, TypeVar
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import config, core
 from jax.experimental import checkify
 
+from . import _jax
 from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
 from ._local import LocalRef
 from ._storage import Handle, passed_in, state_lock, Storage
@@ -70,16 +70,11 @@ def _checkify_failed(out) -> Any:
     return jnp.any(jnp.stack(preds)) if preds else None
 
 
-def _debugging_nans() -> bool:
-    # Read on every call: the config holders, not `jax.config`'s slower lookup.
-    return config.debug_nans.value or config.debug_infs.value
-
-
 def _has_callback(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if "callback" in eqn.primitive.name:
             return True
-        if any(_has_callback(sub) for sub in core.jaxprs_in_params(eqn.params)):
+        if any(_has_callback(sub) for sub in _jax.sub_jaxprs(eqn.params)):
             return True
     return False
 
@@ -126,9 +121,13 @@ class _Compiled:
 
     def _inner(self, kept, donated, bufs, _):
         # `bufs` holds the leaves of every distinct state, slot after slot.
-        proxies, it, top = [], iter(bufs), core.trace_ctx.trace
-        for real in self.passed:
-            refs = tuple(LocalRef(next(it), top) for _ in real.refs or ())
+        proxies, it, top = [], iter(bufs), _jax.current_trace()
+        local = []
+        for slot, real in enumerate(self.passed):
+            refs = None
+            if self.slot_sigs[slot]:  # it had a value: its buffers were passed
+                refs = tuple(LocalRef(next(it), top) for _ in real.member_avals)
+                local += refs
             proxy = Storage.proxy(real, refs)
             proxy.top = top
             proxies.append(proxy)
@@ -140,7 +139,7 @@ class _Compiled:
         ]
         with passed_in(self.passed):
             out = fun(*args, **kwargs)
-        new_bufs = [r[...] for p in proxies for r in p.refs or ()]
+        new_bufs = [r[...] for r in local]
         failed = _checkify_failed(out)
         if failed is not None:
             # A failed `checkify.check` is a value, not an exception: commit none of
@@ -238,7 +237,7 @@ class _JitWrapper:
                     else:
                         out_arrays, static, new_bufs = compiled.jitted(*inputs)
                     compiled.fresh = False
-                elif _debugging_nans():
+                elif _jax.debugging_nans():
                     out_arrays, static, new_bufs = compiled.undonated()(*inputs)
                 else:
                     out_arrays, static, new_bufs = compiled.jitted(*inputs)

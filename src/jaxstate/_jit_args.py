@@ -21,8 +21,9 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax._src import core
 
+from . import _jax
+from ._create import is_set
 from ._flag import Flag
 from ._index import StateIndex
 from ._storage import Handle, Storage
@@ -57,7 +58,7 @@ def is_slot(s) -> bool:
 
 
 # What the compiled function returns as arrays (anything else stays static).
-_OUT_ARRAY_TYPES = (jax.Array, core.Tracer)
+_OUT_ARRAY_TYPES = (jax.Array, _jax.Tracer)
 
 
 def _is_index(s) -> bool:
@@ -67,7 +68,12 @@ def _is_index(s) -> bool:
 def ref_impls(storages) -> list:
     # The objects inside the `jax.Ref`s that hold their buffers (`_buf`): reading
     # and replacing buffers through them skips the `Ref` layer on the hot path.
-    return [r._refs for s in storages for r in s.refs or ()]
+    return [
+        _jax.buffer_holder(r)
+        for s in storages
+        if s.pending is None
+        for r in s.refs or ()
+    ]
 
 
 class Part:
@@ -93,6 +99,7 @@ def analyse(tree) -> Part:
     leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_leaf)
     arrays, storages, handles, spec = [], [], [], []
     slot_of: dict[int, int] = {}
+    fixed = True
     for leaf in leaves:
         k = _kinds.get(type(leaf)) or kind(type(leaf))
         if k == _ARRAY_KIND:
@@ -105,10 +112,11 @@ def analyse(tree) -> Part:
                 slot = slot_of[storage.id] = len(storages)
                 storages.append(storage)
                 handles.append(leaf)
+                set_ = is_set(storage)  # settles a pending state first
+                fixed = fixed and set_
             spec.append((HANDLE, slot, storage.signature_id))
         else:
             spec.append(leaf)
-    fixed = all(s.refs is not None for s in storages)
     return Part(
         (treedef, tuple(spec)),
         arrays,

@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 import jax.lax as lax
-from jax._src import core
+
+from . import _jax
 
 
 class LocalRef:
@@ -40,9 +41,9 @@ class LocalRef:
         return current.dtype
 
     def _reference(self) -> Any:
-        if self.ref is None and core.trace_ctx.trace is not self.top:
-            with core.set_current_trace(self.top):
-                self.ref = jax.new_ref(self.value)
+        if self.ref is None and _jax.current_trace() is not self.top:
+            with _jax.set_current_trace(self.top):
+                self.ref = jax.new_ref(self.value, kind="no_grad_no_remat")
             self.value = None
         return self.ref
 
@@ -54,7 +55,7 @@ class LocalRef:
         ref = self._reference()
         if ref is None:
             assert idx is Ellipsis
-            if core.typeof(value).weak_type:
+            if _jax.typeof(value).weak_type:
                 # As a reference would: it keeps its strong type.
                 value = lax.convert_element_type(value, value.dtype)
             self.value = value
@@ -66,4 +67,4 @@ def at_top(storage) -> bool:
     """Whether `storage` is a state passed to the `jaxstate.jit` function being
     traced, used at the top level of that function (not inside any transform)."""
     top = storage.top
-    return top is not None and top is core.trace_ctx.trace
+    return top is not None and top is _jax.current_trace()

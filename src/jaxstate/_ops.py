@@ -2,46 +2,53 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import core
+import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
+from . import _jax
+from ._create import create, describe_unset, is_set
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
 from ._local import at_top
 from ._storage import check_not_passed_in, resolve, state_lock, Storage
-from ._vmap import (
-    check_vmaps,
-    is_eager,
-    new_refs_eager,
-    only_eager_vmaps,
-    read_p,
-    traced_for,
-    vmap_sizes,
-    write_p,
-)
+from ._vmap import check_vmaps, is_eager, read, traced_for, write
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, core.Tracer)) or (
-        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, jax.Ref)
+def _leaf_problem(leaf) -> str | None:
+    """Why `leaf` cannot be (part of) a state, or `None` if it can."""
+    if isinstance(leaf, jax.Ref):
+        return (
+            "is a `jax.Ref`. jaxstate keeps the state in references of its own: "
+            "pass the value (`ref[...]`) instead"
+        )
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (
+            "is a `jax.ShapeDtypeStruct`, which has a shape and dtype but no value: "
+            "pass an array, e.g. `jnp.zeros(shape, dtype)`"
+        )
+    if isinstance(leaf, (jax.Array, _jax.Tracer, np.ndarray, np.generic)):
+        return None
+    return (
+        "is not an array. Wrap Python numbers with `jnp.asarray`, and keep non-array "
+        "data as ordinary (static) fields of your module"
     )
 
 
 def _flatten_arrays(tree, fn: str, what: str):
     leaves, treedef = jtu.tree_flatten(tree)
     for leaf in leaves:
-        if not _is_array(leaf):
+        problem = _leaf_problem(leaf)
+        if problem is not None:
             raise TypeError(
                 f"`{what}` passed to `{fn}` must be a PyTree of arrays, but it has a "
-                f"leaf of type {type(leaf).__name__} ({leaf!r:.60}). Wrap Python "
-                "numbers with `jnp.asarray`, and keep non-array data as ordinary "
-                "(static) fields of your module."
+                f"leaf of type {type(leaf).__name__} ({leaf!r:.60}), which {problem}."
             )
     return leaves, treedef
 
 
 def _aval_text(shape, dtype) -> str:
-    return f"{jnp.dtype(dtype)}{list(shape)}"
+    # `str`, not `jnp.dtype`: key types (`key<fry>`) are not NumPy dtypes.
+    return f"{dtype}{list(shape)}"
 
 
 def _check_against_storage(storage: Storage, leaves, treedef, fn: str, what: str):
@@ -52,7 +59,7 @@ def _check_against_storage(storage: Storage, leaves, treedef, fn: str, what: str
             "first set with; use a new StateIndex for a different structure."
         )
     for i, (leaf, aval) in enumerate(zip(leaves, storage.member_avals, strict=True)):
-        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        shape, dtype = jnp.shape(leaf), leaf.dtype
         if shape != aval.shape or dtype != aval.dtype:
             batch = (
                 f" (per vmap member; the stored value also has batch axes of sizes "
@@ -67,24 +74,6 @@ def _check_against_storage(storage: Storage, leaves, treedef, fn: str, what: str
                 "and dtype it was first set with; cast or reshape the value (e.g. "
                 "`x.astype(...)`), or use a new StateIndex."
             )
-
-
-def _create(storage: Storage, leaves, treedef, fn: str) -> None:
-    if not only_eager_vmaps():
-        raise RuntimeError(
-            f"`{fn}` is storing state for this index for the first time inside "
-            "jax.jit / grad / scan / another transform, where it has no memory to live "
-            "in that outlasts the call. Give the state its initial value outside "
-            "transforms (eager code, or eager `vmap`), for example in the model's "
-            "`__init__` or with `StateIndex(init=...)`."
-        )
-    refs = new_refs_eager(leaves)
-    storage.member_avals = tuple(
-        core.ShapedArray(jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves
-    )
-    storage.treedef = treedef
-    storage.batch_shape = vmap_sizes()
-    storage.refs = refs
 
 
 def _check_not_in_shard_map(index, storage: Storage, enclosing, fn: str) -> None:
@@ -105,37 +94,32 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     storage = resolve(index._handle)
     check_not_passed_in(storage, fn)
     leaves, treedef = _flatten_arrays(state, fn, "state")
-    if storage.refs is None:
-        _create(storage, leaves, treedef, fn)
+    if not is_set(storage) and create(storage, leaves, treedef, fn):
         return
     _check_against_storage(storage, leaves, treedef, fn, "state")
     assert storage.refs is not None
-    n_extra = check_vmaps(storage.batch_shape, fn)
+    check_vmaps(storage.batch_shape, fn)
     if is_eager():
+        values = [jnp.asarray(leaf) for leaf in leaves]
         with state_lock:
-            for ref, leaf in zip(storage.refs, leaves, strict=True):
-                ref[...] = jnp.asarray(leaf)
+            for ref, value in zip(storage.refs, values, strict=True):
+                ref[...] = value
         return
     if at_top(storage):
         # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
         values = [jnp.asarray(leaf) for leaf in leaves]
-        for ref, value in zip(storage.refs, values, strict=True):
-            ref[...] = value
-        return
-    _check_not_in_shard_map(index, storage, traced_for(), fn)
-    # Build every stacked value before writing any, so that a failure leaves the
-    # stored state untouched.
-    stacked = [
-        write_p.bind(
-            lax.stop_gradient(jnp.asarray(leaf)),
-            batch_shape=storage.batch_shape,
-            n_extra=n_extra,
-            levels=(),
-        )
-        for leaf in leaves
-    ]
-    for ref, value in zip(storage.refs, stacked, strict=True):
+    else:
+        _check_not_in_shard_map(index, storage, traced_for(), fn)
+        # Build every stacked value before writing any, so that a failure leaves
+        # the stored state untouched.
+        values = [
+            write(lax.stop_gradient(jnp.asarray(leaf)), storage.batch_shape)
+            for leaf in leaves
+        ]
+    for ref, value in zip(storage.refs, values, strict=True):
         ref[...] = value
+    if storage.pending is not None:
+        storage.pending.flag[...] = True
 
 
 def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
@@ -206,16 +190,18 @@ def get_state(
     storage = resolve(index._handle)
     check_not_passed_in(storage, "get_state")
     flag_value(index.inference, "StateIndex")
-    if storage.refs is None:
+    if not is_set(storage):
         raise RuntimeError(
             "Cannot get state before it has been set: call "
-            "`jaxstate.set_state(index, value)` outside jit first (e.g. in the "
-            "model's `__init__`), or create the index with `StateIndex(init=value)`."
+            "`jaxstate.set_state(index, value)` first (e.g. in the model's "
+            "`__init__`), or create the index with `StateIndex(init=value)`."
+            + describe_unset(storage)
         )
+    like_leaves = None
     if like is not None:
-        leaves, treedef = _flatten_arrays(like, "get_state", "like")
-        _check_against_storage(storage, leaves, treedef, "get_state", "like")
-    n_extra = check_vmaps(storage.batch_shape, "get_state")
+        like_leaves, treedef = _flatten_arrays(like, "get_state", "like")
+        _check_against_storage(storage, like_leaves, treedef, "get_state", "like")
+    check_vmaps(storage.batch_shape, "get_state")
     if is_eager():
         with state_lock:
             values = [r[...] for r in storage.refs]
@@ -233,13 +219,10 @@ def get_state(
             "inside the loop body, or read the state in the body and carry the "
             "predicate."
         )
+    likes = like_leaves or [None] * len(storage.refs)
     out = [
-        lax.stop_gradient(
-            read_p.bind(
-                ref[...], batch_shape=storage.batch_shape, n_extra=n_extra, levels=()
-            )
-        )
-        for ref in storage.refs
+        lax.stop_gradient(read(ref[...], like, storage.batch_shape))
+        for ref, like in zip(storage.refs, likes, strict=True)
     ]
     return jtu.tree_unflatten(storage.treedef, out)
 
@@ -247,10 +230,10 @@ def get_state(
 def _eager_storage(index: StateIndex, fn: str) -> Storage:
     _check_index(index, fn)
     storage = index._handle.get()
-    if storage.refs is None:
+    if not is_set(storage):
         raise RuntimeError(
             "Cannot get state before it has been set: call "
-            "`jaxstate.set_state(index, value)` first."
+            "`jaxstate.set_state(index, value)` first." + describe_unset(storage)
         )
     if not is_eager():
         raise RuntimeError(
@@ -279,7 +262,7 @@ def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
             f"{treedef}, but the stored state has structure {storage.treedef}."
         )
     for i, (leaf, ref) in enumerate(zip(leaves, storage.refs, strict=True)):
-        shape, dtype = jnp.shape(leaf), jnp.result_type(leaf)
+        shape, dtype = jnp.shape(leaf), leaf.dtype
         if shape != ref.shape or dtype != ref.dtype:
             raise RuntimeError(
                 f"`value` passed to `StateIndex.unsafe_set` has a leaf {i} of "

@@ -6,14 +6,8 @@ does its own per-member slicing (see `_vmap.py` and docs/design.md, "vmap").
 """
 
 import jax.lax as lax
-from jax._src import core
-from jax._src.interpreters import batching
-from jax._src.lax.control_flow import conditionals
-from jax._src.state import primitives as state_primitives
-from jax._src.state.types import AbstractRef, ReadEffect, RefEffect
 
-
-_fancy = batching.fancy_primitive_batchers
+from . import _jax
 
 
 #
@@ -24,7 +18,7 @@ _fancy = batching.fancy_primitive_batchers
 #
 def _swap_batcher(axis_data, vals, dims, **params):
     if all(d is None for d in dims):
-        return state_primitives.swap_p.bind(*vals, **params), None
+        return _jax.swap_p.bind(*vals, **params), None
     return _jax_swap_batcher(axis_data, vals, dims, **params)
 
 
@@ -36,15 +30,13 @@ def _swap_batcher(axis_data, vals, dims, **params):
 # land, so writing stays refused, with a message that says what to do instead.
 #
 def _cond_batcher(axis_data, args, dims, *, branches, **params):
-    effects = [
-        eff for b in branches for eff in b.jaxpr.effects if isinstance(eff, RefEffect)
-    ]
+    effects = [eff for b in branches for eff in _jax.ref_effects(b.jaxpr)]
     if not effects:
         return _jax_cond_batcher(axis_data, args, dims, branches=branches, **params)
     index, *ops = args
     index_dim, *op_dims = dims
     if index_dim is not None:
-        if not all(isinstance(eff, ReadEffect) for eff in effects):
+        if not all(_jax.is_read_effect(eff) for eff in effects):
             raise NotImplementedError(
                 "A `lax.cond`/`lax.switch` whose predicate differs between vmap "
                 "members cannot write state: under vmap JAX runs every branch and "
@@ -55,24 +47,24 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
         return _select_branches(axis_data, index, index_dim, ops, op_dims, branches)
     ops_batched = [d is not None for d in op_dims]
     ops = [
-        batching.moveaxis(x, d, 0) if d is not None else x
+        _jax.moveaxis(x, d, 0) if d is not None else x
         for x, d in zip(ops, op_dims, strict=True)
     ]
     out_batched = [
         any(bs)
         for bs in zip(
             *(
-                batching.batch_jaxpr(b, axis_data, ops_batched, False)[1]
+                _jax.batch_jaxpr(b, axis_data, ops_batched, False)[1]
                 for b in branches
             ),
             strict=True,
         )
     ]
     batched = tuple(
-        batching.batch_jaxpr(b, axis_data, ops_batched, out_batched)[0]
+        _jax.batch_jaxpr(b, axis_data, ops_batched, out_batched)[0]
         for b in branches
     )
-    out = conditionals.cond_p.bind(index, *ops, branches=batched, **params)
+    out = _jax.cond_p.bind(index, *ops, branches=batched, **params)
     return out, [0 if b else None for b in out_batched]
 
 
@@ -80,34 +72,31 @@ def _select_branches(axis_data, index, index_dim, ops, op_dims, branches):
     # As JAX does for a per-member predicate without state, except that references
     # stay unbatched (reading them in every branch changes nothing).
     size, mesh_axis = axis_data.size, axis_data.explicit_mesh_axis
-    is_ref = [isinstance(core.typeof(x), AbstractRef) for x in ops]
-    index = batching.bdim_at_front(index, index_dim, size, mesh_axis=mesh_axis)
+    is_ref = [_jax.is_abstract_ref(_jax.typeof(x)) for x in ops]
+    index = _jax.bdim_at_front(index, index_dim, size, mesh_axis=mesh_axis)
     ops = [
-        x if r else batching.bdim_at_front(x, d, size, mesh_axis=mesh_axis)
+        x if r else _jax.bdim_at_front(x, d, size, mesh_axis=mesh_axis)
         for x, d, r in zip(ops, op_dims, is_ref, strict=True)
     ]
     in_batched = [not r for r in is_ref]
     out_batched = [True] * len(branches[0].out_avals)
     outs = []
     for i, branch in enumerate(branches):
-        batched = batching.batch_jaxpr(branch, axis_data, in_batched, out_batched)[0]
+        batched = _jax.batch_jaxpr(branch, axis_data, in_batched, out_batched)[0]
         # Unselected branches get no gradient (JAX's guard against NaNs there).
         chosen = lax.eq(index, lax.full_like(index, i))
         ops_i = [
-            x if r else conditionals._bcast_select(chosen, x, lax.stop_gradient(x))
+            x if r else _jax.bcast_select(chosen, x, lax.stop_gradient(x))
             for x, r in zip(ops, is_ref, strict=True)
         ]
-        outs.append(core.jaxpr_as_fun(batched)(*ops_i))
-    out = [conditionals._bcast_select_n(index, *xs) for xs in zip(*outs, strict=True)]
+        outs.append(_jax.jaxpr_as_fun(batched)(*ops_i))
+    out = [_jax.bcast_select_n(index, *xs) for xs in zip(*outs, strict=True)]
     return out, [0] * len(out)
 
 
-_jax_swap_batcher = _fancy[state_primitives.swap_p]
-_jax_cond_batcher = _fancy[conditionals.cond_p]
+_jax_swap_batcher = _jax.batching_rule(_jax.swap_p)
+_jax_cond_batcher = _jax.batching_rule(_jax.cond_p)
 if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
-    for _prim, _rule in [
-        (state_primitives.swap_p, _swap_batcher),
-        (conditionals.cond_p, _cond_batcher),
-    ]:
+    for _prim, _rule in [(_jax.swap_p, _swap_batcher), (_jax.cond_p, _cond_batcher)]:
         _rule.jaxstate_patch = True  # pyright: ignore[reportFunctionMemberAccess]
-        _fancy[_prim] = _rule
+        _jax.set_batching_rule(_prim, _rule)

@@ -13,11 +13,10 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
-from jax._src import core
-from jax._src.state.types import AbstractRef
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from . import _jax
 from ._pure import _indices, run_with_state
 from ._storage import state_lock
 
@@ -129,12 +128,8 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
             for ref in storage.refs or ():
                 # In place, so that every holder of this reference sees the move;
                 # the reference's type carries the sharding, so it moves too.
-                buf = _place(ref._refs._buf, sharding)
-                aval = AbstractRef(
-                    core.typeof(buf), ref._aval.memory_space, ref._aval.kind
-                )
-                ref._aval = ref._refs._aval = aval
-                ref._refs._buf = buf
+                buf = _place(_jax.buffer_holder(ref)._buf, sharding)
+                _jax.replace_buffer(ref, buf)
     return jtu.tree_map(lambda x: _place(x, sharding) if eqx.is_array(x) else x, tree)
 
 

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.tree_util as jtu
-from jax._src import core
+
+from . import _jax
 
 
 _ids = itertools.count()
@@ -46,7 +47,9 @@ class Storage:
         "member_avals",
         "batch_shape",
         "_signature_id",
+        "pending",
         "top",
+        "real",
         "__weakref__",
     )
 
@@ -55,17 +58,22 @@ class Storage:
         self.weak = weakref.ref(self)
         self.refs: tuple[Any, ...] | None = None
         self.treedef: Any = None
-        self.member_avals: tuple[core.ShapedArray, ...] = ()
+        self.member_avals: tuple[_jax.ShapedArray, ...] = ()
         self.batch_shape: tuple[int, ...] = ()
         self._signature_id = 0
-        # For a stand-in inside a `jaxstate.jit` trace: that trace (see _local.py).
+        # Set while the state was first set inside a trace whose program may not
+        # have run yet (see _create.py).
+        self.pending: Any = None
+        # For a stand-in inside a `jaxstate.jit` trace: that trace (see _local.py),
+        # and the storage it stands in for.
         self.top: Any = None
+        self.real: Storage | None = None
 
     @property
     def signature_id(self) -> int:
         """A small integer naming everything about this state that compiled code
         depends on (structure, shapes, dtypes, batch axes); 0 while unset."""
-        if self._signature_id == 0 and self.refs is not None:
+        if self._signature_id == 0 and self.refs is not None and self.pending is None:
             signature = (self.treedef, self.member_avals, self.batch_shape)
             # One entry per distinct *type* of state, however many states there are.
             self._signature_id = _signature_ids.setdefault(
@@ -74,16 +82,18 @@ class Storage:
         return self._signature_id
 
     @classmethod
-    def proxy(cls, real: "Storage", refs: tuple[Any, ...]) -> "Storage":
+    def proxy(cls, real: "Storage", refs: tuple[Any, ...] | None) -> "Storage":
         """A stand-in holding local references, used while tracing: same structure
-        and dtypes; shapes from `refs` (inside `shard_map` they hold blocks)."""
+        and dtypes; shapes from `refs` (inside `shard_map` they hold blocks).
+        `refs=None` for a state that has no value yet."""
         self = cls()
-        if real.refs is not None:
+        self.real = real
+        if refs is not None:
             k = len(real.batch_shape)
             self.treedef = real.treedef
             self.batch_shape = tuple(refs[0].shape[:k]) if refs else real.batch_shape
             self.member_avals = tuple(
-                core.ShapedArray(r.shape[k:], r.dtype) for r in refs
+                _jax.ShapedArray(r.shape[k:], r.dtype) for r in refs
             )
             self.refs = refs
         return self

@@ -3,21 +3,21 @@
 State set under `vmap` is stored *stacked*: with one leading axis per enclosing vmap
 (outermost first), so each member of the vmap owns a slice. Reading or writing it
 under vmap moves between the stacked value and the member's slice. A `lax.scan`,
-`lax.cond` or `jax.jit` body under vmap is traced first and batched afterwards, so the
-slicing cannot be done by ordinary code at trace time. Reads and writes therefore go
+`lax.cond` or `jax.jit` body under vmap is traced first and batched afterwards (and
+JAX may batch a `jit` body it traced earlier, outside any vmap), so the slicing
+cannot be decided by ordinary code at trace time. Reads and writes therefore go
 through two pure primitives whose batching rules turn the stacked value into the
-batched member value (and back) one vmap level at a time. The enclosing vmaps are
-counted and checked at trace time (traces link to the trace they started from); the
-primitives check again when evaluated or lowered. See docs/design.md, "vmap".
+batched member value (and back) one vmap level at a time. Each rule decides, when it
+runs, whether its vmap is one of the state's own batch axes (the outermost ones) by
+counting the vmaps outside it. See docs/design.md, "vmap".
 """
 
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.shard_map import ShardMapTrace
+
+from . import _jax
 
 
 def _sizes(levels: Sequence) -> str:
@@ -30,18 +30,16 @@ def vmap_sizes() -> tuple[int, ...]:
     Traces of `jit`, `scan`, `cond`, ... bodies keep a link to the trace they were
     started from, so vmaps around them are found too.
     """
-    sizes = []
-    trace = core.trace_ctx.trace
-    while trace is not None:
-        if isinstance(trace, batching.BatchTrace):
-            sizes.append(trace.axis_data.size)
-        trace = getattr(trace, "parent_trace", None)
+    sizes = [
+        _jax.batch_size(t) for t in _jax.enclosing_traces() if _jax.is_batch_trace(t)
+    ]
     return tuple(reversed(sizes))
 
 
-def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> int:
+def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
     """Checks the enclosing vmaps against a state's batch axes (which belong to the
-    outermost vmaps); returns how many inner vmaps are beyond them."""
+    outermost vmaps), while tracing, for an early and clear error. The batching
+    rules below check again, and decide."""
     sizes = vmap_sizes()
     k = len(batch_shape)
     if len(sizes) < k:
@@ -58,76 +56,108 @@ def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> int:
             f"`{fn}` was called under vmaps of sizes {_sizes(sizes[:k])}. The batch "
             "sizes must match: vmap over the same number of members."
         )
-    return len(sizes) - k
 
 
-def _check_levels(levels, batch_shape, fn):
-    # A backstop for jaxprs traced in one vmap context and batched in another.
-    state_sizes = tuple(size for size, is_state in reversed(levels) if is_state)
-    if state_sizes != tuple(batch_shape):
+def _level_of(axis_data, batch_shape, n_state: int, fn: str) -> bool:
+    """In a batching rule: whether this vmap is one of the state's own batch axes.
+
+    The rule runs with the vmap's parent trace current, so the vmaps counted there
+    are exactly those outside this one. The state's axes belong to the outermost
+    `len(batch_shape)` vmaps; the rules run innermost first, so `n_state` of the
+    state's innermost axes have been met already.
+    """
+    outside = len(vmap_sizes())
+    k = len(batch_shape)
+    if outside >= k:
+        return False
+    if outside != k - 1 - n_state or _jax.axis_size(axis_data) != batch_shape[outside]:
+        seen = [_jax.axis_size(axis_data)] + list(batch_shape[k - n_state :])
         raise RuntimeError(
             f"`{fn}` of a state with vmap batch axes of sizes {_sizes(batch_shape)} "
-            f"ended up under vmaps of sizes {_sizes(state_sizes)}. Use the state "
-            "under the same vmaps it was first set under."
+            f"ended up under vmaps of sizes {_sizes(list(vmap_sizes()) + seen)}. Use "
+            "the state under the same vmaps it was first set under."
+        )
+    return True
+
+
+def _check_levels(n_state: int, batch_shape, fn: str) -> None:
+    # Evaluated or lowered: every batch axis of the state must have met its vmap.
+    if n_state != len(batch_shape):
+        raise RuntimeError(
+            f"`{fn}` of a state with vmap batch axes of sizes {_sizes(batch_shape)} "
+            f"ended up under {n_state} of those vmaps. Use the state under the same "
+            "vmaps it was first set under."
         )
 
 
 #
-# Read: stacked value -> member value.
+# Read: stacked value -> member value. `n_state` counts the state's batch axes met
+# so far (innermost first); the output keeps the axes not met yet in front. Under a
+# vmap that is not one of the state's, the output is unbatched: every member sees
+# the same value. `like` (optional) only takes part in batching: it must not vary
+# along such a vmap, since it claims the state has no batch axis there.
 #
-# The stored batch axes belong to the outermost vmaps; the `n_extra` innermost ones
-# see the same value in every member (the output is unbatched along them). `levels`
-# records `(size, is_state_axis)` for each vmap met so far, innermost first.
-#
 
 
-def _read_abstract_eval(full, *, batch_shape, n_extra, levels):
-    n_state = sum(is_state for _, is_state in levels)
-    return core.ShapedArray(full.shape[len(batch_shape) - n_state :], full.dtype)
+def _read_abstract_eval(full, *like, batch_shape, n_state):
+    return _jax.ShapedArray(full.shape[len(batch_shape) - n_state :], full.dtype)
 
 
-def _read_impl(full, *, batch_shape, n_extra, levels):
-    _check_levels(levels, batch_shape, "get_state")
+def _read_impl(full, *like, batch_shape, n_state):
+    _check_levels(n_state, batch_shape, "get_state")
     return full
 
 
-def _read_batcher(axis_data, vals, dims, *, batch_shape, n_extra, levels):
-    (full,), (dim,) = vals, dims
-    if dim is not None:
+def _read_batcher(axis_data, vals, dims, *, batch_shape, n_state):
+    full, *like = vals
+    if dims[0] is not None:
         raise RuntimeError(
             "jaxstate state was read from a batched reference. State references are "
             "never vmapped over; do not pass them to `jax.vmap` yourself."
         )
-    is_state = len(levels) >= n_extra
-    levels = levels + ((axis_data.size, is_state),)
-    out = read_p.bind(full, batch_shape=batch_shape, n_extra=n_extra, levels=levels)
+    is_state = _level_of(axis_data, batch_shape, n_state, "get_state")
+    if like and not is_state and dims[1] is not None:
+        raise RuntimeError(
+            "`like` passed to `get_state` varies across the members of a vmap that "
+            "this state was not first set under, so it has no batch axis there. "
+            "Pass a `like` that is the same for every member of that vmap, or first "
+            "set the state under that vmap so that each member has its own slice."
+        )
+    like = [
+        _jax.moveaxis(x, d, 0) if d is not None else x
+        for x, d in zip(like, dims[1:], strict=True)
+    ]
+    out = read_p.bind(full, *like, batch_shape=batch_shape, n_state=n_state + is_state)
     return out, (0 if is_state else None)
 
 
-read_p = core.Primitive("jaxstate_read")
-read_p.def_impl(_read_impl)
-read_p.def_abstract_eval(_read_abstract_eval)
-batching.fancy_primitive_batchers[read_p] = _read_batcher
-mlir.register_lowering(read_p, mlir.lower_fun(_read_impl, multiple_results=False))
+read_p = _jax.new_primitive("jaxstate_read", _read_impl, _read_abstract_eval)
+_jax.set_batching_rule(read_p, _read_batcher)
+_jax.set_zero_jvp(read_p)
+
+
+def read(value, like, batch_shape: tuple[int, ...]):
+    """The member's value of a stacked `value` read from storage."""
+    extra = () if like is None else (like,)
+    return read_p.bind(value, *extra, batch_shape=batch_shape, n_state=0)
 
 
 #
-# Write: member value -> stacked value.
-#
-# `levels` records `(size, batched)` for each stored batch axis met so far, innermost
-# first; the value carries one leading axis per batched one (outermost first). Stored
-# batch axes the value is not batched along are broadcast. The `n_extra` innermost
-# vmaps must not batch the value: one slot cannot hold many values.
+# Write: member value -> stacked value. `levels` records `(size, batched)` for each
+# of the state's batch axes met so far, innermost first; the value carries one
+# leading axis per batched one (outermost first). Batch axes the value is not
+# batched along are broadcast. A vmap that is not one of the state's must not batch
+# the value: one slot cannot hold many values.
 #
 
 
-def _write_abstract_eval(value, *, batch_shape, n_extra, levels):
+def _write_abstract_eval(value, *, batch_shape, levels):
     n_batched = sum(batched for _, batched in levels)
-    return core.ShapedArray(tuple(batch_shape) + value.shape[n_batched:], value.dtype)
+    return _jax.ShapedArray(tuple(batch_shape) + value.shape[n_batched:], value.dtype)
 
 
-def _write_impl(value, *, batch_shape, n_extra, levels):
-    _check_levels([(size, True) for size, _ in levels], batch_shape, "set_state")
+def _write_impl(value, *, batch_shape, levels):
+    _check_levels(len(levels), batch_shape, "set_state")
     n_batched = sum(batched for _, batched in levels)
     member = value.shape[n_batched:]
     # A unit axis for each stored batch axis the value is not batched along.
@@ -138,107 +168,73 @@ def _write_impl(value, *, batch_shape, n_extra, levels):
     return jnp.broadcast_to(value, tuple(batch_shape) + member)
 
 
-def _write_batcher(axis_data, vals, dims, *, batch_shape, n_extra, levels):
+def _write_batcher(axis_data, vals, dims, *, batch_shape, levels):
     (value,), (dim,) = vals, dims
-    if n_extra > 0:
+    size = _jax.axis_size(axis_data)
+    if not _level_of(axis_data, batch_shape, len(levels), "set_state"):
         if dim is not None:
             raise RuntimeError(
-                f"`set_state` was given a value that differs across the "
-                f"{axis_data.size} members of a vmap that this state was not created "
-                "under, so there is one slot for many values. Reduce the value over "
-                "that axis first (for example `lax.pmean(x, axis_name)`, as BatchNorm "
-                "does), or create the state under that vmap so that each member has "
-                "its own slice."
+                f"`set_state` was given a value that differs across the {size} "
+                "members of a vmap that this state was not created under, so there "
+                "is one slot for many values. Reduce the value over that axis first "
+                "(for example `lax.pmean(x, axis_name)`, as BatchNorm does), or "
+                "create the state under that vmap so that each member has its own "
+                "slice."
             )
-        out = write_p.bind(
-            value, batch_shape=batch_shape, n_extra=n_extra - 1, levels=levels
-        )
+        out = write_p.bind(value, batch_shape=batch_shape, levels=levels)
         return out, None
-    if dim is None:
-        levels = levels + ((axis_data.size, False),)
-    else:
-        value = jnp.moveaxis(value, dim, 0)
-        levels = levels + ((axis_data.size, True),)
-    out = write_p.bind(value, batch_shape=batch_shape, n_extra=0, levels=levels)
-    return out, None
+    if dim is not None:
+        value = _jax.moveaxis(value, dim, 0)
+    levels = levels + ((size, dim is not None),)
+    return write_p.bind(value, batch_shape=batch_shape, levels=levels), None
 
 
-write_p = core.Primitive("jaxstate_write")
-write_p.def_impl(_write_impl)
-write_p.def_abstract_eval(_write_abstract_eval)
-batching.fancy_primitive_batchers[write_p] = _write_batcher
-mlir.register_lowering(write_p, mlir.lower_fun(_write_impl, multiple_results=False))
+write_p = _jax.new_primitive("jaxstate_write", _write_impl, _write_abstract_eval)
+_jax.set_batching_rule(write_p, _write_batcher)
+_jax.set_zero_jvp(write_p)
 
 
-# State is never differentiated: values are passed through `stop_gradient` before a
-# write and after a read, so these rules only ever see symbolic zeros.
-def _zero_jvp(prim):
-    def jvp(primals, tangents, **params):
-        out = prim.bind(*primals, **params)
-        return out, ad.Zero(core.typeof(out).to_tangent_aval())
-
-    ad.primitive_jvps[prim] = jvp
-
-
-_zero_jvp(read_p)
-_zero_jvp(write_p)
+def write(value, batch_shape: tuple[int, ...]):
+    """The stacked value to store for a member's `value`."""
+    return write_p.bind(value, batch_shape=batch_shape, levels=())
 
 
 #
-# The first `set_state` allocates the storage, so it must happen where a concrete
-# value exists: outside any transform, or under plain (eager) vmaps, whose tracers
-# can be unwrapped into the stacked value.
+# The first `set_state` under eager vmaps only: their tracers can be unwrapped into
+# the concrete stacked value.
 #
 
 
 def only_eager_vmaps() -> bool:
     """Whether the current trace is eager code, possibly under eager vmaps only."""
-    trace = core.trace_ctx.trace
-    while isinstance(trace, batching.BatchTrace):
-        trace = trace.parent_trace
-    return isinstance(trace, core.EvalTrace)
+    for trace in _jax.enclosing_traces():
+        if not _jax.is_batch_trace(trace):
+            return _jax.is_eval_trace(trace)
+    return True
 
 
-def new_refs_eager(leaves: Sequence) -> tuple[jax.Ref, ...]:
-    """Allocates one reference per leaf, holding the leaf's stacked value: leaves seen
-    inside eager vmaps gain one leading axis per vmap, outermost first."""
-    out = []
-    for x in leaves:
-        trace = core.trace_ctx.trace
-        while isinstance(trace, batching.BatchTrace):
-            val, dim = trace.to_batch_info(x)
-            with core.set_current_trace(trace.parent_trace):
-                if dim is None:
-                    x = jnp.broadcast_to(val, (trace.axis_data.size,) + jnp.shape(val))
-                else:
-                    x = jnp.moveaxis(val, dim, 0)
-            trace = trace.parent_trace
-        # Allocate outside the vmaps: a reference made under vmap would be batched.
-        with core.set_current_trace(trace):
-            x = jnp.array(x, copy=True)
-            # Strongly typed and committed, like every buffer a compiled call
-            # returns: so the first `jaxstate.jit` call and later ones share one
-            # compilation.
-            x = jax.lax.convert_element_type(x, x.dtype)
-            x = jax.device_put(x, x.sharding)
-            out.append(jax.new_ref(x, kind="no_grad_no_remat"))
-    return tuple(out)
+def stack_eager(x) -> jax.Array:
+    """The concrete stacked value of `x` seen inside eager vmaps: one leading axis per
+    vmap, outermost first."""
+    trace = _jax.current_trace()
+    while _jax.is_batch_trace(trace):
+        val, dim = _jax.batch_info(trace, x)
+        with _jax.set_current_trace(_jax.parent_trace(trace)):
+            size = _jax.batch_size(trace)
+            if dim is None:
+                x = jnp.broadcast_to(val, (size,) + jnp.shape(val))
+            else:
+                x = jnp.moveaxis(val, dim, 0)
+        trace = _jax.parent_trace(trace)
+    return x
 
 
 def traced_for() -> set[str]:
     """What the enclosing traces were made for (`"jit"`, `"while_cond"`,
     `"shard_map"`, which `pmap` is built on, ...)."""
-    names, trace = set(), core.trace_ctx.trace
-    while trace is not None:
-        if isinstance(trace, ShardMapTrace):  # an eager `shard_map`
-            names.add("shard_map")
-        frame = getattr(trace, "frame", None)
-        name = getattr(getattr(frame, "debug_info", None), "traced_for", None)
-        if name is not None:
-            names.add(name)
-        trace = getattr(trace, "parent_trace", None)
-    return names
+    names = (_jax.traced_for(t) for t in _jax.enclosing_traces())
+    return {n for n in names if n is not None}
 
 
 def is_eager() -> bool:
-    return isinstance(core.trace_ctx.trace, core.EvalTrace)
+    return _jax.is_eval_trace(_jax.current_trace())

@@ -1,0 +1,176 @@
+"""The first `set_state` of an index: where the state's memory comes from.
+
+Eagerly (also under eager `vmap`s, whose tracers unwrap into the concrete stacked
+value) the memory is allocated holding a copy of the value, and the state is set.
+
+Inside a trace (`jax.jit`, `jaxstate.jit`, a `scan` or `cond` body, `grad`, a `vmap`
+inside any of them) only the value's shape and dtype are known. The references are
+allocated right away from them (zeros, of the stacked shape when under vmaps),
+outside the trace, and the trace writes the value into them as an ordinary write:
+the compiled program captures them as it would any closed-over reference, and
+updates them in place when it runs. No callback, no copy per call.
+
+Whether that program ever runs, and reaches the `set_state` (which may sit in a
+branch not taken, or in a trace that is only abstract, as in `jax.eval_shape`, or
+that fails), is recorded by the program itself: it also writes `True` into a small
+flag reference next to the value. Until the flag is seen `True` the state is
+*pending*. The trace that created it reads and writes it like set state; anything
+else settles it first (`is_set`), by reading the flag, and treats it as unset while
+the flag is `False`. See docs/design.md, "First set inside a trace".
+"""
+
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _jax
+from ._storage import state_lock, Storage
+from ._vmap import only_eager_vmaps, stack_eager, traced_for, vmap_sizes
+
+
+class Pending:
+    """A state first set inside a trace whose program has not been seen to run."""
+
+    __slots__ = ("flag", "root")
+
+    def __init__(self, flag: Any, root: Any):
+        self.flag = flag  # a `jax.Ref` of a bool, written `True` by the program
+        self.root = weakref.ref(root)  # the trace that created the state
+
+
+def root_trace() -> Any:
+    """The outermost trace that is not eager code: the compiled function (or eager
+    vmap) being traced; `None` when eager."""
+    root = None
+    for trace in _jax.enclosing_traces():
+        if not _jax.is_eval_trace(trace):
+            root = trace
+    return root
+
+
+def new_ref(value) -> jax.Ref:
+    """A reference owning a fresh buffer holding `value` (concrete)."""
+    value = jnp.array(value, copy=True)
+    # Strongly typed and committed, like every buffer a compiled call returns: so
+    # the first `jaxstate.jit` call and later ones share one compilation.
+    value = jax.lax.convert_element_type(value, value.dtype)
+    value = jax.device_put(value, value.sharding)
+    return jax.new_ref(value, kind="no_grad_no_remat")
+
+
+def is_set(storage: Storage) -> bool:
+    """Whether `storage` holds state, settling a pending one (see above)."""
+    if storage.refs is None:
+        return False
+    pending = storage.pending
+    if pending is None:
+        return True
+    root = pending.root()
+    if root is not None and root.is_valid() and root is root_trace():
+        return True
+    # Blocks until the program that writes the flag (if dispatched) has run.
+    if bool(_jax.buffer_holder(pending.flag)._buf):
+        storage.pending = None
+        return True
+    return False
+
+
+def _matches(storage: Storage, treedef, avals, batch_shape) -> bool:
+    return (
+        storage.refs is not None
+        and storage.treedef == treedef
+        and storage.member_avals == avals
+        and storage.batch_shape == batch_shape
+    )
+
+
+def _install(storage: Storage, refs, treedef, avals, batch_shape, pending) -> None:
+    storage.treedef = treedef
+    storage.member_avals = avals
+    storage.batch_shape = batch_shape
+    storage._signature_id = 0
+    storage.pending = pending
+    storage.refs = refs  # last: `refs` set means "has a structure"
+
+
+def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
+    """The first set of `storage` (or of the storage it stands in for).
+
+    Returns `True` if the value is stored (eagerly), `False` if the caller must now
+    write it as an ordinary traced write (the references exist, pending).
+    """
+    target = storage.real or storage
+    if only_eager_vmaps():
+        stacked = [stack_eager(x) for x in leaves]
+        batch_shape = vmap_sizes()
+        avals = tuple(
+            _jax.ShapedArray(jnp.shape(x)[len(batch_shape) :], x.dtype)
+            for x in stacked
+        )
+        with _jax.set_current_trace(_jax.eval_trace()):
+            if target.pending is not None and _matches(
+                target, treedef, avals, batch_shape
+            ):
+                # Keep the references that traced programs may have captured.
+                values = [new_ref(x) for x in stacked]
+                with state_lock:
+                    for ref, value in zip(target.refs or (), values, strict=True):
+                        _jax.buffer_holder(ref)._buf = _jax.buffer_holder(value)._buf
+                    target.pending = None
+                return True
+            refs = tuple(new_ref(x) for x in stacked)
+        with state_lock:
+            _install(target, refs, treedef, avals, batch_shape, None)
+        return True
+    if "shard_map" in traced_for():
+        raise RuntimeError(
+            f"`{fn}` is storing state for this index for the first time inside a "
+            "`shard_map` (or `pmap`) body, which JAX's references cannot cross. "
+            "Give the state its first value outside the body (in the model's "
+            "`__init__`, or in a `jax.jit` function around the `shard_map`)."
+        )
+    batch_shape = vmap_sizes()
+    avals = tuple(_jax.ShapedArray(jnp.shape(x), x.dtype) for x in leaves)
+    if target.pending is not None and _matches(target, treedef, avals, batch_shape):
+        # Pending and unset (an abstract or failed trace, a branch not taken): keep
+        # the references, which programs traced before may have captured.
+        refs, flag = target.refs, target.pending.flag
+    elif target.refs is not None and is_set(target):
+        # Set by another thread since this trace began: an ordinary set.
+        if storage is not target:
+            _install(
+                storage,
+                target.refs,
+                target.treedef,
+                target.member_avals,
+                target.batch_shape,
+                None,
+            )
+        return False
+    else:
+        with _jax.set_current_trace(_jax.eval_trace()):
+            refs = tuple(
+                new_ref(jnp.zeros(batch_shape + a.shape, a.dtype)) for a in avals
+            )
+            flag = new_ref(jnp.array(False))
+    pending = Pending(flag, root_trace())
+    with state_lock:
+        _install(target, refs, treedef, avals, batch_shape, pending)
+    if storage is not target:
+        # A stand-in inside `jaxstate.jit`: it writes the real references directly.
+        _install(storage, refs, treedef, avals, batch_shape, pending)
+    return False
+
+
+def describe_unset(storage: Storage) -> str:
+    """Why an index has no state, for error messages."""
+    if storage.refs is not None:
+        return (
+            " It was first set inside a traced function that has not run since, or "
+            "only in a branch that did not run, or the trace was only abstract "
+            "(`jax.eval_shape`, `make_jaxpr`) or failed."
+        )
+    return ""
+

@@ -1,0 +1,198 @@
+"""Every use of JAX's private internals, in one place.
+
+jaxstate needs a few things JAX 0.10 does not make public: which traces enclose the
+current one, a way to write batching and differentiation rules for its own
+primitives, the buffer inside a `jax.Ref`, and two of JAX's batching rules to extend
+(`_patches.py`). Each is wrapped here, under a name that says what jaxstate relies
+on, and `tests/test_jax_internals.py` checks each assumption on its own, so that
+moving to a newer JAX is this file's work (and that test's).
+
+Nothing outside this file imports from `jax._src`.
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.core
+from jax._src import config as _config, core as _core
+from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+from jax._src.lax.control_flow import conditionals as _conditionals
+from jax._src.shard_map import ShardMapTrace as _ShardMapTrace
+from jax._src.state import primitives as _state_primitives
+from jax._src.state.types import (
+    AbstractRef as _AbstractRef,
+    ReadEffect as _ReadEffect,
+    RefEffect as _RefEffect,
+)
+
+
+# Public names, re-exported so that the rest of jaxstate has one import.
+Tracer = jax.core.Tracer
+ShapedArray = jax.core.ShapedArray
+typeof = jax.typeof
+
+
+#
+# Traces. Assumed: the current trace is `trace_ctx.trace`; eager code runs under an
+# `EvalTrace`; every other trace links to the trace it was started from through
+# `parent_trace` (vmap's `BatchTrace`, and the `DynamicJaxprTrace` of every `jit`,
+# `scan`, `cond`, ... body); a `BatchTrace` knows its vmap's size.
+#
+
+
+def current_trace() -> Any:
+    return _core.trace_ctx.trace
+
+
+def set_current_trace(trace: Any):
+    """Context manager: run under `trace` (e.g. to allocate outside a vmap)."""
+    return _core.set_current_trace(trace)
+
+
+def enclosing_traces(trace: Any = None) -> Iterator[Any]:
+    """The current trace (or `trace`) and every trace it was started from, innermost
+    first, down to the eager one."""
+    trace = current_trace() if trace is None else trace
+    while trace is not None:
+        yield trace
+        trace = getattr(trace, "parent_trace", None)
+
+
+def eval_trace() -> Any:
+    """The trace of eager code."""
+    return _core.eval_trace
+
+
+def is_eval_trace(trace: Any) -> bool:
+    return isinstance(trace, _core.EvalTrace)
+
+
+def is_batch_trace(trace: Any) -> bool:
+    return isinstance(trace, _batching.BatchTrace)
+
+
+def batch_size(trace: Any) -> int:
+    """The size of the vmap a `BatchTrace` belongs to."""
+    return trace.axis_data.size
+
+
+def parent_trace(trace: Any) -> Any:
+    return trace.parent_trace
+
+
+def batch_info(trace: Any, x: Any) -> tuple[Any, int | None]:
+    """`(value, batch dimension or None)` of `x` as seen by a `BatchTrace`."""
+    return trace.to_batch_info(x)
+
+
+def traced_for(trace: Any) -> str | None:
+    """What a tracing trace was made for: `"jit"`, `"while_cond"`, `"scan"`, ...
+    (JAX records it in the debug info of the jaxpr being built); `"shard_map"` for
+    an eager `shard_map`."""
+    if isinstance(trace, _ShardMapTrace):
+        return "shard_map"
+    frame = getattr(trace, "frame", None)
+    return getattr(getattr(frame, "debug_info", None), "traced_for", None)
+
+
+#
+# Primitives of jaxstate's own, with batching, JVP and lowering rules. Assumed: a
+# "fancy" batching rule `rule(axis_data, vals, dims, **params)` is called with the
+# vmap's *parent* trace current, so `enclosing_traces()` inside the rule sees the
+# vmaps outside the one being batched.
+#
+
+
+def new_primitive(name: str, impl: Callable, abstract_eval: Callable) -> Any:
+    prim = _core.Primitive(name)
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=False))
+    return prim
+
+
+def set_batching_rule(prim: Any, rule: Callable) -> None:
+    _batching.fancy_primitive_batchers[prim] = rule
+
+
+def set_zero_jvp(prim: Any) -> None:
+    """For primitives whose output never carries a tangent (jaxstate passes every
+    value into or out of state through `stop_gradient`)."""
+
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        return out, _ad.Zero(_core.typeof(out).to_tangent_aval())
+
+    _ad.primitive_jvps[prim] = jvp
+
+
+def axis_size(axis_data: Any) -> int:
+    return axis_data.size
+
+
+#
+# The buffer inside a `jax.Ref`. Assumed: a concrete `jax.Ref` keeps its array in
+# `ref._refs._buf` and its type in `ref._aval` (and `ref._refs._aval`); reading and
+# replacing `_buf` is what an eager `ref[...]` and `ref[...] = x` do, minus the
+# dispatch. `jaxstate.jit` passes those buffers to compiled code and swaps the
+# results back in.
+#
+
+
+def buffer_holder(ref: Any) -> Any:
+    """The object holding a reference's buffer, as `holder._buf`."""
+    return ref._refs
+
+
+def replace_buffer(ref: Any, buf: Any) -> None:
+    """Puts `buf` (perhaps with another sharding) into `ref`, updating its type."""
+    aval = _AbstractRef(_core.typeof(buf), ref._aval.memory_space, ref._aval.kind)
+    ref._aval = ref._refs._aval = aval
+    ref._refs._buf = buf
+
+
+def is_abstract_ref(aval: Any) -> bool:
+    return isinstance(aval, _AbstractRef)
+
+
+#
+# Jaxpr inspection.
+#
+
+
+def sub_jaxprs(params: dict) -> Iterator[Any]:
+    return _core.jaxprs_in_params(params)
+
+
+def debugging_nans() -> bool:
+    """Whether `jax_debug_nans` or `jax_debug_infs` is on (read from the config
+    holders: this runs on every `jaxstate.jit` call)."""
+    return _config.debug_nans.value or _config.debug_infs.value
+
+
+#
+# What `_patches.py` extends: JAX's batching rules for a reference write (`swap`)
+# and for `cond`, plus the helpers JAX's own cond rule uses.
+#
+
+swap_p = _state_primitives.swap_p
+cond_p = _conditionals.cond_p
+batch_jaxpr = _batching.batch_jaxpr
+moveaxis = _batching.moveaxis
+bdim_at_front = _batching.bdim_at_front
+jaxpr_as_fun = _core.jaxpr_as_fun
+bcast_select = _conditionals._bcast_select
+bcast_select_n = _conditionals._bcast_select_n
+
+
+def batching_rule(prim: Any) -> Callable:
+    return _batching.fancy_primitive_batchers[prim]
+
+
+def ref_effects(jaxpr: Any) -> list:
+    return [eff for eff in jaxpr.effects if isinstance(eff, _RefEffect)]
+
+
+def is_read_effect(effect: Any) -> bool:
+    return isinstance(effect, _ReadEffect)
