@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _jax
-from ._storage import state_lock, Storage
+from ._lock import critical, exclusive
+from ._storage import Storage
 from ._vmap import only_eager_vmaps, stack_eager, traced_for, vmap_sizes
 
 
@@ -115,13 +116,13 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
             ):
                 # Keep the references that traced programs may have captured.
                 values = [new_ref(x) for x in stacked]
-                with state_lock:
+                with exclusive([target]), critical():
                     for ref, value in zip(target.refs or (), values, strict=True):
                         _jax.buffer_holder(ref)._buf = _jax.buffer_holder(value)._buf
                     target.pending = None
                 return True
             refs = tuple(new_ref(x) for x in stacked)
-        with state_lock:
+        with exclusive([target]):
             _install(target, refs, treedef, avals, batch_shape, None)
         return True
     if "shard_map" in traced_for():
@@ -156,7 +157,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
             )
             flag = new_ref(jnp.array(False))
     pending = Pending(flag, root_trace())
-    with state_lock:
+    with exclusive([target]):
         _install(target, refs, treedef, avals, batch_shape, pending)
     if storage is not target:
         # A stand-in inside `jaxstate.jit`: it writes the real references directly.

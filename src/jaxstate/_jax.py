@@ -10,6 +10,7 @@ moving to a newer JAX is this file's work (and that test's).
 Nothing outside this file imports from `jax._src`.
 """
 
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -163,6 +164,18 @@ def is_abstract_ref(aval: Any) -> bool:
 
 def sub_jaxprs(params: dict) -> Iterator[Any]:
     return _core.jaxprs_in_params(params)
+
+
+def recorded(trace: Any) -> Iterator[tuple[Any, dict]]:
+    """`(primitive, params)` of every operation a tracing trace has recorded so far
+    (assumed: its frame keeps them in `tracing_eqns`, some behind weak references
+    when they have no effects)."""
+    for eqn in trace.frame.tracing_eqns:
+        if isinstance(eqn, weakref.ReferenceType):
+            eqn = eqn()
+            if eqn is None:
+                continue
+        yield eqn.primitive, eqn.params
 
 
 def debugging_nans() -> bool:

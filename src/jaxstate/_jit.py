@@ -9,13 +9,17 @@ arrays at its boundary, so it takes JAX's C++ fast path, and XLA aliases each st
 output to its donated input: updates stay in place.
 The cache is keyed by structure alone (handles are replaced by slot numbers), so
 one compiled function serves every model of the same structure and holds no state.
-Arguments are worked out once per object (`_jit_args.py`).
+Arguments are worked out once per object (`_jit_args.py`). A call checks its states
+out while it runs and defers interrupts until they are back (`_lock.py`).
 See docs/design.md, "jaxstate.jit".
 """
 
+import contextlib
 import functools
 import operator
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
 
@@ -25,9 +29,10 @@ import jax.tree_util as jtu
 from jax.experimental import checkify
 
 from . import _jax
-from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
+from ._jit_args import ARRAY, Call, is_slot, is_static_slot, Memo, OutPart
 from ._local import LocalRef
-from ._storage import Handle, passed_in, state_lock, Storage
+from ._lock import checkout, critical, release
+from ._storage import Handle, passed_in, redirected, Storage
 from ._vmap import is_eager
 
 
@@ -51,7 +56,9 @@ jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(
 def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
-        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s for s in spec
+        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s
+        for s in spec
+        if not is_static_slot(s)
     ]
 
 
@@ -70,13 +77,21 @@ def _checkify_failed(out) -> Any:
     return jnp.any(jnp.stack(preds)) if preds else None
 
 
-def _has_callback(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if "callback" in eqn.primitive.name:
+def _calls_back(eqns) -> bool:
+    """Whether any of `(primitive, params)` calls back to the host (which can
+    raise while the program runs, as `eqx.error_if` does)."""
+    for prim, params in eqns:
+        if "callback" in prim.name:
             return True
-        if any(_has_callback(sub) for sub in _jax.sub_jaxprs(eqn.params)):
-            return True
+        for sub in _jax.sub_jaxprs(params):
+            if _calls_back((e.primitive, e.params) for e in sub.eqns):
+                return True
     return False
+
+
+class _Undonate(Exception):
+    """Stops tracing the donating program of a function that can fail while it
+    runs: it is compiled again with its state undonated."""
 
 
 class _Compiled:
@@ -85,47 +100,57 @@ class _Compiled:
     def __init__(self, wrapper: "_JitWrapper", key):
         self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
         # The signature id of each slot, for the parts of returned modules.
-        self.slot_sigs = {s[1]: s[2] for _, spec in key for s in spec if is_slot(s)}
+        self.slot_sigs = {
+            s[1]: s[2]
+            for _, spec in key
+            for s in spec
+            if is_slot(s) or is_static_slot(s)
+        }
+        self.static_slots = [s[1] for _, spec in key for s in spec if is_static_slot(s)]
         self.jitkwargs = wrapper.jitkwargs
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
         self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **self.jitkwargs)
-        # The real storages of the call being traced; set only around a call.
-        self.passed: list[Storage] = []
+        self.donating = True
+        self._undonated = None
+        # The real storages of the call being traced, per thread (see `passed`).
+        self._tracing = threading.local()
         # Until the first call has compiled, hide JAX's warning about donated
         # buffers it could not reuse (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
-        self._undonated = None
+        # Set when a trace gave a state its first value: the program then writes
+        # that state's own references, so it serves no other model.
+        self.created = False
 
-    def choose_donation(self, call) -> None:
-        """On the first call: keep the state buffers out of donation if the function
-        can fail while running.
+    @property
+    def passed(self) -> list[Storage]:
+        return getattr(self._tracing, "storages", [])
 
-        A run-time failure (a host callback raising, as `eqx.error_if` does) comes
-        after XLA has taken the donated buffers, which would lose the state. Such
-        functions pass their state undonated, so a failed call leaves it as it was;
-        it costs a copy of the state per call. Found by tracing once (the trace is
-        reused by the compilation that follows).
-        """
-        jaxpr = self.jitted.trace(*call).jaxpr
-        if _has_callback(jaxpr.jaxpr):
-            self.jitted = self.undonated()
+    @passed.setter
+    def passed(self, storages: list[Storage]) -> None:
+        self._tracing.storages = storages
 
     def undonated(self):
-        # `jax_debug_nans`/`jax_debug_infs` re-run a failing call, from the same
-        # inputs, to find the NaN: inputs that were donated would be gone by then.
+        # For functions that can fail while running, and while debugging NaNs
+        # (`jax_debug_nans` re-runs a failing call from the same inputs).
         if self._undonated is None:
             self._undonated = jax.jit(
                 self._inner, donate_argnums=(1,), **self.jitkwargs
             )
         return self._undonated
 
+    def stop_donating(self) -> None:
+        """Every later call passes its state undonated (see `_inner`)."""
+        self.donating = False
+        self.jitted = self.undonated()
+
     def _inner(self, kept, donated, bufs, _):
-        # `bufs` holds the leaves of every distinct state, slot after slot.
-        proxies, it, top = [], iter(bufs), _jax.current_trace()
-        local = []
+        top = _jax.current_trace()
+        # `bufs` holds the leaves of every distinct state that has a value, slot
+        # after slot.
+        proxies, local, it = [], [], iter(bufs)
         for slot, real in enumerate(self.passed):
             refs = None
-            if self.slot_sigs[slot]:  # it had a value: its buffers were passed
+            if self.slot_sigs[slot]:
                 refs = tuple(LocalRef(next(it), top) for _ in real.member_avals)
                 local += refs
             proxy = Storage.proxy(real, refs)
@@ -137,8 +162,17 @@ class _Compiled:
             jtu.tree_unflatten(treedef, _rebuild(spec, it, handles))
             for treedef, spec in self.key
         ]
-        with passed_in(self.passed):
+        # Indices in static fields are part of the tree structure: they reach their
+        # stand-ins through `resolve`.
+        statics = {self.passed[s].id: proxies[s] for s in self.static_slots}
+        with passed_in(self.passed), redirected(statics):
             out = fun(*args, **kwargs)
+        if any(p.pending is not None for p in proxies):
+            self.created = True
+        if self.donating and _calls_back(_jax.recorded(top)):
+            # A failure while running would come after XLA took the donated
+            # buffers: stop before this program is compiled.
+            raise _Undonate
         new_bufs = [r[...] for r in local]
         failed = _checkify_failed(out)
         if failed is not None:
@@ -157,6 +191,21 @@ class _Compiled:
         out_static = [OutPart(part, slot_of) for part in parts]
         out_arrays = [x for part in parts for x in OutPart.arrays(part)]
         return out_arrays, _Static((is_tuple, tuple(out_static))), new_bufs
+
+    def run(self, inputs, hide_warning: bool):
+        """Calls the compiled program (tracing and compiling it first if needed)."""
+        jitted = self.undonated() if _jax.debugging_nans() else self.jitted
+        with contextlib.ExitStack() as stack:
+            if self.fresh and hide_warning:
+                stack.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("ignore", "Some donated buffers")
+            try:
+                out = jitted(*inputs)
+            except _Undonate:
+                self.stop_donating()
+                out = self.jitted(*inputs)
+        self.fresh = False
+        return out
 
 
 class _JitWrapper:
@@ -185,28 +234,55 @@ class _JitWrapper:
         self.cache: dict[Any, _Compiled] = {}
         self.memo = Memo(fun)
         self.last: tuple[Any, _Compiled] | None = None
+        # Guards the cache and the memo (threads may call one function together).
+        self.lock = threading.Lock()
         # Name and docstring only: copying `fun.__dict__` could copy another
         # wrapper's attributes (e.g. from a `jax.vmap` of a `jaxstate.jit` function)
         # over our own.
         functools.update_wrapper(self, fun, updated=())  # pyright: ignore
+
+    def _compiled(self, call: Call) -> _Compiled:
+        key, last = call.key, self.last
+        # Most calls repeat the previous structure, usually with the very same key
+        # objects (see `_jit_args.Memo`): compare by identity before hashing.
+        if last is not None and (
+            all(map(operator.is_, key, last[0])) if len(key) == len(last[0]) else False
+        ):
+            return last[1]
+        if call.statics:
+            return self._compiled_static(call)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            compiled = self.cache[key] = _Compiled(self, key)
+        self.last = (key, compiled)
+        return compiled
+
+    def _compiled_static(self, call: Call) -> _Compiled:
+        # The key holds indices from static fields (their identity is part of the
+        # tree structure), so the compiled function serves only their model. It is
+        # kept on one of their storages, not here, so that it dies with the model.
+        storage = call.statics[0]
+        entries = storage.jits
+        for wrapper, key, compiled in entries:
+            if wrapper() is self and key == call.key:
+                return compiled
+        compiled = _Compiled(self, call.key)
+        entries.append((weakref.ref(self), call.key, compiled))
+        return compiled
+
+    def _forget(self, compiled: _Compiled, call: Call) -> None:
+        self.cache = {k: c for k, c in self.cache.items() if c is not compiled}
+        if self.last is not None and self.last[1] is compiled:
+            self.last = None
+        for storage in call.statics:
+            storage.jits[:] = [e for e in storage.jits if e[2] is not compiled]
 
     def _prepare(self, args, kwargs) -> tuple[_Compiled, Call, list, list]:
         memo = self.memo
         call = Call(
             [memo.fun_part(), memo.kwargs_part(kwargs), *[memo.part(a) for a in args]]
         )
-        # Most calls repeat the previous structure, usually with the very same key
-        # objects (see `_jit_args.Memo`): compare by identity before hashing.
-        key, last = call.key, self.last
-        if last is not None and (
-            all(map(operator.is_, key, last[0])) if len(key) == len(last[0]) else False
-        ):
-            compiled = last[1]
-        else:
-            compiled = self.cache.get(key)
-            if compiled is None:
-                compiled = self.cache[key] = _Compiled(self, key)
-            self.last = (key, compiled)
+        compiled = self._compiled(call)
         arrays = call.arrays
         if self.donate == "none":
             kept, donated = arrays, []
@@ -221,30 +297,32 @@ class _JitWrapper:
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        # Reading the buffers, dispatching, and swapping the results in is one step
-        # for other threads: none may read a buffer this call is about to donate.
-        with state_lock:
+        with self.lock:
             compiled, call, kept, donated = self._prepare(args, kwargs)
-            compiled.passed = call.storages
-            try:
-                inputs = (kept, donated, list(map(_get_buf, call.impls)), None)
-                if compiled.fresh:
-                    compiled.choose_donation(inputs)
-                    if self.hide_warning:
-                        with warnings.catch_warnings():
-                            warnings.filterwarnings("ignore", "Some donated buffers")
-                            out_arrays, static, new_bufs = compiled.jitted(*inputs)
-                    else:
-                        out_arrays, static, new_bufs = compiled.jitted(*inputs)
-                    compiled.fresh = False
-                elif _jax.debugging_nans():
-                    out_arrays, static, new_bufs = compiled.undonated()(*inputs)
-                else:
-                    out_arrays, static, new_bufs = compiled.jitted(*inputs)
-            finally:
-                compiled.passed = []
-            for impl, buf in zip(call.impls, new_bufs, strict=True):
-                impl._buf = buf
+        # No other thread may read or donate these states' buffers until this
+        # call has put the new ones back; an interrupt waits until then too.
+        ids, impls = call.ids, call.impls
+        checkout(ids)
+        try:
+            with critical():
+                inputs = (kept, donated, list(map(_get_buf, impls)), None)
+                compiled.passed = call.storages
+                try:
+                    out_arrays, static, new_bufs = compiled.run(
+                        inputs, self.hide_warning
+                    )
+                finally:
+                    compiled.passed = []
+                for impl, buf in zip(impls, new_bufs, strict=True):
+                    impl._buf = buf
+        finally:
+            release(ids)
+        return self._rebuild_outputs(compiled, call, out_arrays, static)
+
+    def _rebuild_outputs(self, compiled: _Compiled, call: Call, out_arrays, static):
+        with self.lock:
+            if compiled.created:
+                self._forget(compiled, call)
             is_tuple, out_parts = static.value
             outs, start, memo = [], 0, self.memo
             for op in out_parts:
@@ -256,7 +334,7 @@ class _JitWrapper:
                     out = op.treedef.unflatten(arrays)
                 else:
                     out = op.treedef.unflatten(op.leaves(arrays, call))
-                if op.module:
+                if op.module and not compiled.created:
                     part = op.part(arrays, call, compiled.slot_sigs)
                     if part is not None:
                         memo.remember(out, part)
@@ -264,21 +342,77 @@ class _JitWrapper:
             memo.next_call()
         return tuple(outs) if is_tuple else outs[0]
 
-    def lower(self, *args, **kwargs):
-        """Lowers the compiled function for these arguments, as `jax.jit(...).lower`."""
-        with state_lock:
+    def lower(self, *args, **kwargs) -> "Lowered":
+        """Lowers the compiled function for these arguments, as `jax.jit(...).lower`.
+
+        The result has `.as_text()`, `.compile()` and the rest of JAX's lowered
+        object; `.compile()` gives a function to call with the same kind of
+        arguments as this one.
+        """
+        with self.lock:
             compiled, call, kept, donated = self._prepare(args, kwargs)
-            compiled.passed = call.storages
-            try:
-                bufs = list(map(_get_buf, call.impls))
-                return compiled.jitted.lower(kept, donated, bufs, None)
-            finally:
-                compiled.passed = []
+        compiled.passed = call.storages
+        try:
+            bufs = list(map(_get_buf, call.impls))
+            lowered = compiled.jitted.lower(kept, donated, bufs, None)
+        finally:
+            compiled.passed = []
+        return Lowered(self, compiled, lowered)
 
     def __get__(self, instance, owner):
         if instance is None:
             return self
         return functools.partial(self, instance)
+
+
+class Lowered:
+    """`jaxstate.jit(f).lower(*args)`: JAX's lowered program, plus `compile()`."""
+
+    def __init__(self, wrapper: _JitWrapper, compiled: _Compiled, lowered):
+        self._wrapper = wrapper
+        self._compiled = compiled
+        self._lowered = lowered
+
+    def compile(self) -> "AotCompiled":
+        return AotCompiled(self._wrapper, self._compiled, self._lowered.compile())
+
+    def __getattr__(self, name: str):
+        return getattr(self._lowered, name)
+
+
+class AotCompiled:
+    """A compiled `jaxstate.jit` program, called with the arguments of the function
+    it was lowered for (the same structure and shapes)."""
+
+    def __init__(self, wrapper: _JitWrapper, compiled: _Compiled, executable):
+        self._wrapper = wrapper
+        self._compiled = compiled
+        self._executable = executable
+
+    def __call__(self, *args, **kwargs):
+        wrapper = self._wrapper
+        with wrapper.lock:
+            compiled, call, kept, donated = wrapper._prepare(args, kwargs)
+        if compiled is not self._compiled:
+            raise TypeError(
+                "This compiled function was lowered for arguments of another "
+                "structure (or other static values). Call `jaxstate.jit(f)` itself, "
+                "which compiles for each structure, or lower it again for these."
+            )
+        ids, impls = call.ids, call.impls
+        checkout(ids)
+        try:
+            with critical():
+                inputs = (kept, donated, list(map(_get_buf, impls)), None)
+                out_arrays, static, new_bufs = self._executable(*inputs)
+                for impl, buf in zip(impls, new_bufs, strict=True):
+                    impl._buf = buf
+        finally:
+            release(ids)
+        return wrapper._rebuild_outputs(compiled, call, out_arrays, static)
+
+    def __getattr__(self, name: str):
+        return getattr(self._executable, name)
 
 
 @overload

@@ -14,6 +14,7 @@ the compiled function already knows about its outputs (`OutPart`). A training lo
 See docs/design.md, "jaxstate.jit".
 """
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -32,6 +33,7 @@ from ._storage import Handle, Storage
 ARRAY = object()
 HANDLE = object()
 INDEX = object()
+STATIC = object()
 
 _ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
@@ -57,6 +59,64 @@ def is_slot(s) -> bool:
     return type(s) is tuple and len(s) == 3 and s[0] is HANDLE
 
 
+def is_static_slot(s) -> bool:
+    """Whether a spec entry stands for a state whose index sits in a static field.
+    Such entries come after those of the leaves."""
+    return type(s) is tuple and len(s) == 3 and s[0] is STATIC
+
+
+def _static_handles(tree) -> list[Handle]:
+    """The handles of the indices held in static fields of the modules in `tree`
+    (invisible to flattening: they are part of the tree structure)."""
+    found = []
+
+    def visit(x, static: bool) -> None:
+        if isinstance(x, StateIndex):
+            if static:
+                found.append(x._handle)
+        elif isinstance(x, eqx.Module):
+            for f in dataclasses.fields(x):
+                if f.name in x.__dict__:
+                    visit(x.__dict__[f.name], static or f.metadata.get("static", False))
+        elif static:
+            # Static values are not flattened by JAX: look inside the containers.
+            if isinstance(x, (list, tuple)):
+                for y in x:
+                    visit(y, True)
+            elif isinstance(x, dict):
+                for y in x.values():
+                    visit(y, True)
+        else:
+            for y in jtu.tree_leaves(x, is_leaf=lambda y: y is not x and _is_node(y)):
+                if _is_node(y):
+                    visit(y, False)
+
+    visit(tree, False)
+    return found
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, (StateIndex, eqx.Module))
+
+
+_MUTABLE = (list, dict)
+_mutable_memo: dict[Any, bool] = {}
+
+
+def has_mutable_nodes(treedef) -> bool:
+    """Whether a tree holds a list or dict: it can change in place, so an object
+    holding one cannot be remembered as unchanged (see `Memo`)."""
+    found = _mutable_memo.get(treedef)
+    if found is None:
+        data = treedef.node_data()
+        found = (data is not None and issubclass(data[0], _MUTABLE)) or any(
+            map(has_mutable_nodes, treedef.children())
+        )
+        if len(_mutable_memo) < 10_000:
+            _mutable_memo[treedef] = found
+    return found
+
+
 # What the compiled function returns as arrays (anything else stays static).
 _OUT_ARRAY_TYPES = (jax.Array, _jax.Tracer)
 
@@ -79,9 +139,32 @@ def ref_impls(storages) -> list:
 class Part:
     """What one argument (or the wrapped function itself) brings to a call."""
 
-    __slots__ = ("key", "arrays", "storages", "handles", "impls", "fixed", "indices")
+    __slots__ = (
+        "key",
+        "arrays",
+        "storages",
+        "handles",
+        "impls",
+        "fixed",
+        "indices",
+        "mutable",
+        "ids",
+        "statics",
+    )
 
-    def __init__(self, key, arrays, storages, handles, impls, fixed, indices=None):
+    def __init__(
+        self,
+        key,
+        arrays,
+        storages,
+        handles,
+        impls,
+        fixed,
+        indices=None,
+        mutable=False,
+        statics=(),
+        ids=None,
+    ):
         self.key: tuple[Any, tuple] = key  # (treedef, spec)
         self.arrays: list = arrays
         self.storages: list[Storage] = storages
@@ -93,6 +176,14 @@ class Part:
         # The `StateIndex` objects returned for these states, by (slot, flag), kept
         # for the next returned module: rebuilding them costs more than reusing.
         self.indices: dict = {} if indices is None else indices
+        # Whether the argument holds a list or dict (never remembered).
+        self.mutable: bool = mutable
+        # The states whose buffers the call passes (those with a value).
+        self.ids: list[int] = (
+            [s.id for s in storages if is_set(s)] if ids is None else ids
+        )
+        # The storages of indices held in static fields.
+        self.statics: list[Storage] = list(statics)
 
 
 def analyse(tree) -> Part:
@@ -117,6 +208,17 @@ def analyse(tree) -> Part:
             spec.append((HANDLE, slot, storage.signature_id))
         else:
             spec.append(leaf)
+    statics = []
+    for handle in _static_handles(tree):
+        # Passed in like any other state (see `_jit._Compiled._inner`).
+        storage = handle.get()
+        statics.append(storage)
+        if storage.id not in slot_of:
+            slot = slot_of[storage.id] = len(storages)
+            storages.append(storage)
+            handles.append(handle)
+            fixed = is_set(storage) and fixed
+            spec.append((STATIC, slot, storage.signature_id))
     return Part(
         (treedef, tuple(spec)),
         arrays,
@@ -124,6 +226,8 @@ def analyse(tree) -> Part:
         handles,
         ref_impls(storages),
         fixed,
+        mutable=has_mutable_nodes(treedef),
+        statics=statics,
     )
 
 
@@ -136,7 +240,17 @@ class Call:
     distinct states with their slots numbered across all arguments. An array
     argument stands for itself (it needs no `Part` of its own)."""
 
-    __slots__ = ("parts", "key", "arrays", "storages", "handles", "impls", "indices")
+    __slots__ = (
+        "parts",
+        "key",
+        "arrays",
+        "storages",
+        "handles",
+        "impls",
+        "indices",
+        "ids",
+        "statics",
+    )
 
     def __init__(self, parts: list):
         self.parts = parts
@@ -159,6 +273,8 @@ class Call:
             self.handles = stateful.handles
             self.impls = stateful.impls
             self.indices = stateful.indices
+            self.ids = stateful.ids
+            self.statics = stateful.statics
         else:
             self._number_across(parts, keys)
 
@@ -184,12 +300,17 @@ class Call:
                     handles.append(handle)
                 local.append(slot)
             treedef, spec = p.key
-            spec = tuple((HANDLE, local[s[1]], s[2]) if is_slot(s) else s for s in spec)
+            spec = tuple(
+                (s[0], local[s[1]], s[2]) if is_slot(s) or is_static_slot(s) else s
+                for s in spec
+            )
             keys[i] = (treedef, spec)
         self.key = tuple(keys)
         self.storages, self.handles = storages, handles
         self.impls = ref_impls(storages)
         self.indices = {}
+        self.ids = [s.id for s in storages if is_set(s)]
+        self.statics = [s for p in parts if type(p) is Part for s in p.statics]
 
 
 class OutPart:
@@ -216,6 +337,7 @@ class OutPart:
         "_slot_pos",
         "_index_pos",
         "_template",
+        "statics",
     )
 
     def __init__(self, out, slot_of: dict[int, int]):
@@ -249,6 +371,8 @@ class OutPart:
         self.only_arrays = self.n == len(spec)
         self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(self.treedef)
         self.module = isinstance(out, eqx.Module)
+        # Indices in static fields: such a module is worked out when passed in.
+        self.statics = bool(self.module and _static_handles(out))
         # Where the arrays, states and indices go among the leaves (see `leaves`).
         self._statics = [
             None if s is ARRAY or is_slot(s) or _is_index(s) else s for s in spec
@@ -286,8 +410,14 @@ class OutPart:
         return leaves
 
     def _make_template(self, slot_sigs: dict[int, int]):
-        if 0 in slot_sigs.values() or any(
-            type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.key_spec
+        if (
+            0 in slot_sigs.values()
+            or self.statics
+            or has_mutable_nodes(self.key_treedef)
+            or any(
+                type(s) is Handle or kind(type(s)) == _ARRAY_KIND
+                for s in self.key_spec
+            )
         ):
             # Holds a state the call did not receive, or one without a value yet,
             # or a NumPy array made by the function: worked out when passed in.
@@ -311,12 +441,12 @@ class OutPart:
         key, slot_map, in_order = self._template
         if in_order and len(slot_map) == len(call.storages):
             storages, handles, impls = call.storages, call.handles, call.impls
-            indices = call.indices
+            indices, ids = call.indices, call.ids
         else:
             storages = [call.storages[s] for s in slot_map]
             handles = [call.handles[s] for s in slot_map]
-            impls, indices = ref_impls(storages), None
-        return Part(key, arrays, storages, handles, impls, True, indices)
+            impls, indices, ids = ref_impls(storages), None, None
+        return Part(key, arrays, storages, handles, impls, True, indices, ids=ids)
 
 
 class Memo:
@@ -352,7 +482,7 @@ class Memo:
             self.used[key] = entry
             return entry[1]
         part = analyse(tree)
-        if part.fixed and isinstance(tree, eqx.Module):
+        if part.fixed and not part.mutable and isinstance(tree, eqx.Module):
             self.remember(tree, part)
         return part
 

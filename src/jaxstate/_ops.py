@@ -10,7 +10,8 @@ from ._create import create, describe_unset, is_set
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
 from ._local import at_top
-from ._storage import check_not_passed_in, resolve, state_lock, Storage
+from ._lock import critical, exclusive
+from ._storage import check_not_passed_in, resolve, Storage
 from ._vmap import check_vmaps, is_eager, read, traced_for, write
 
 
@@ -100,10 +101,7 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     assert storage.refs is not None
     check_vmaps(storage.batch_shape, fn)
     if is_eager():
-        values = [jnp.asarray(leaf) for leaf in leaves]
-        with state_lock:
-            for ref, value in zip(storage.refs, values, strict=True):
-                ref[...] = value
+        commit([(storage, leaves)])
         return
     if at_top(storage):
         # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
@@ -203,8 +201,7 @@ def get_state(
         _check_against_storage(storage, like_leaves, treedef, "get_state", "like")
     check_vmaps(storage.batch_shape, "get_state")
     if is_eager():
-        with state_lock:
-            values = [r[...] for r in storage.refs]
+        (values,) = snapshot([storage])
         return jtu.tree_unflatten(storage.treedef, values)
     if at_top(storage):
         return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
@@ -246,9 +243,7 @@ def _eager_storage(index: StateIndex, fn: str) -> Storage:
 
 def get_stacked(index: StateIndex) -> PyTree[Array]:
     storage = _eager_storage(index, "StateIndex.unsafe_get")
-    assert storage.refs is not None
-    with state_lock:
-        values = [r[...] for r in storage.refs]
+    (values,) = snapshot([storage])
     return jtu.tree_unflatten(storage.treedef, values)
 
 
@@ -270,6 +265,70 @@ def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
                 f"{_aval_text(ref.shape, ref.dtype)} (vmap batch axes first). Cast "
                 "or reshape the value to match."
             )
-    with state_lock:
-        for ref, leaf in zip(storage.refs, leaves, strict=True):
-            ref[...] = jnp.asarray(leaf)
+    commit([(storage, leaves)])
+
+
+#
+# Eager reads and writes of whole states, several at once: what `get_state`,
+# `set_state`, `unsafe_get`/`unsafe_set` do outside transforms, and what snapshots
+# (`state_dict`, `save`, `to_pure`) and loads build on.
+#
+
+
+def _fresh(holder, value) -> jax.Array:
+    """A buffer of `value`'s own for a reference: strongly typed, on the
+    reference's devices, never aliasing `value` (`jaxstate.jit` donates it)."""
+    value = jnp.asarray(value)
+    if _jax.typeof(value).weak_type:
+        value = lax.convert_element_type(value, value.dtype)
+    return jax.device_put(value, holder._buf.sharding, may_alias=False)
+
+
+def commit(items: list[tuple[Storage, list]]) -> None:
+    """Replaces the stacked values of several states at once, all or nothing.
+
+    `items` pairs each (set) storage with one array per leaf, already checked
+    against it (structure, shapes with batch axes, dtypes). New buffers are made
+    first; then every state is switched to them together, while no `jaxstate.jit`
+    call uses any of them and with interrupts deferred (`_lock.py`).
+    """
+    new = []
+    for storage, leaves in items:
+        if storage.real is not None:
+            # A stand-in inside a compiled function that JAX runs eagerly (as
+            # `jax_debug_nans` does to find a NaN): its references are local.
+            for ref, leaf in zip(storage.refs or (), leaves, strict=True):
+                ref[...] = leaf
+            continue
+        for ref, leaf in zip(storage.refs or (), leaves, strict=True):
+            holder = _jax.buffer_holder(ref)
+            new.append((holder, _fresh(holder, leaf)))
+    items = [(s, leaves) for s, leaves in items if s.real is None]
+    with exclusive([s for s, _ in items]), critical():
+        for holder, buf in new:
+            holder._buf = buf
+        for storage, _ in items:
+            storage.pending = None
+
+
+def snapshot(storages: list[Storage]) -> list[list[jax.Array]]:
+    """The stacked values of several (set) states, consistent with each other: no
+    `jaxstate.jit` call commits between reading one and the next. Copies, since
+    later calls donate the stored buffers."""
+    with exclusive(storages):
+        return [[_copy(s, r) for r in s.refs or ()] for s in storages]
+
+
+def _copy(storage: Storage, ref) -> jax.Array:
+    if storage.real is not None:  # a stand-in (see `commit`)
+        return ref[...]
+    buf = _jax.buffer_holder(ref)._buf
+    if buf.is_deleted():
+        raise RuntimeError(
+            "This state's memory was deleted: a compiled call that used it through "
+            "a captured reference (plain `jax.jit` or `eqx.filter_jit`) failed while "
+            "running, after XLA had taken the buffer. That is a limitation of JAX's "
+            "references; `jaxstate.jit` keeps the state of a failed call. Set the "
+            "state again (or reload it) before using it."
+        )
+    return jnp.copy(buf)

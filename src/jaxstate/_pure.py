@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._index import StateIndex
-from ._storage import redirected, state_lock, Storage
+from ._storage import redirected, Storage
 
 
 def _indices(tree) -> dict[str, Storage]:
@@ -35,11 +35,13 @@ def _indices(tree) -> dict[str, Storage]:
 
 
 def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
-    with state_lock:
-        return {
-            name: jtu.tree_unflatten(s.treedef, [r[...] for r in s.refs or ()])
-            for name, s in storages.items()
-        }
+    from ._ops import snapshot
+
+    values = snapshot(list(storages.values()))
+    return {
+        name: jtu.tree_unflatten(s.treedef, v)
+        for (name, s), v in zip(storages.items(), values, strict=True)
+    }
 
 
 def run_with_state(
@@ -65,7 +67,9 @@ def run_with_state(
             raise ValueError(
                 f"state[{name!r}] has structure {treedef}, expected {storage.treedef}."
             )
-        refs = tuple(jax.new_ref(jnp.asarray(x)) for x in leaves)
+        refs = tuple(
+            jax.new_ref(jnp.asarray(x), kind="no_grad_no_remat") for x in leaves
+        )
         for leaf, ref, local in zip(leaves, storage.refs or (), refs, strict=True):
             if jnp.result_type(leaf) != ref.dtype or (
                 whole and local.shape != ref.shape
@@ -145,11 +149,9 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
 
     def fun(*args, **kwargs):
         out, new_state = pure_fun(_values(storages), *args, **kwargs)
-        with state_lock:
-            for name, storage in storages.items():
-                leaves = jtu.tree_leaves(new_state[name])
-                for ref, leaf in zip(storage.refs or (), leaves, strict=True):
-                    ref[...] = leaf
+        from ._ops import commit
+
+        commit([(s, jtu.tree_leaves(new_state[n])) for n, s in storages.items()])
         return out
 
     return fun

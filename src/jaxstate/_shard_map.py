@@ -18,7 +18,7 @@ from jaxtyping import PyTree
 
 from . import _jax
 from ._pure import _indices, run_with_state
-from ._storage import state_lock
+from ._lock import critical, exclusive
 
 
 _REPLICATED = P()
@@ -123,8 +123,9 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
     A copy of `tree` with its arrays placed; its state (shared with `tree`) is
     placed too.
     """
-    with state_lock:
-        for storage in _indices(tree).values():
+    storages = list(_indices(tree).values())
+    with exclusive(storages), critical():
+        for storage in storages:
             for ref in storage.refs or ():
                 # In place, so that every holder of this reference sees the move;
                 # the reference's type carries the sharding, so it moves too.

@@ -50,6 +50,7 @@ class Storage:
         "pending",
         "top",
         "real",
+        "jits",
         "__weakref__",
     )
 
@@ -68,6 +69,9 @@ class Storage:
         # and the storage it stands in for.
         self.top: Any = None
         self.real: Storage | None = None
+        # `jaxstate.jit` programs for models holding this index in a static field
+        # (see `_jit._JitWrapper._compiled_static`): they live as long as it does.
+        self.jits: list = []
 
     @property
     def signature_id(self) -> int:

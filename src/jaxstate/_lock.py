@@ -1,0 +1,126 @@
+"""Who may read or replace a state's buffers, and when an interrupt may land.
+
+**Threads.** A call of `jaxstate.jit` *checks out* the states it was passed for as
+long as it runs: it hands their buffers to XLA (donated) and puts the new ones back
+afterwards. Anything else that reads or writes those states (an eager read, a
+snapshot, another call) waits until they are back; states of other models are not
+held up. The lock guarding the bookkeeping is held for microseconds, never while
+tracing, compiling or running.
+
+**Interrupts.** Between a call handing its buffers to XLA and the new ones being put
+back, an asynchronous `KeyboardInterrupt` (Ctrl-C, `_thread.interrupt_main`) would
+leave states without a buffer. Inside `critical()` such an interrupt is deferred,
+in the main thread, to the end of the section: the step completes (or, if it fails,
+changes nothing) and the interrupt is raised right after. This wraps Python's SIGINT
+handler while a section runs in the main thread (docs/design.md, "Interrupts").
+"""
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+_cond = threading.Condition(threading.Lock())
+# Storage id -> thread that checked it out.
+_busy: dict[int, int] = {}
+
+
+def _wait_free(ids: Iterable[int]) -> None:
+    # Called with `_cond` held.
+    me = threading.get_ident()
+    while True:
+        owners = [_busy[i] for i in ids if i in _busy]
+        if not owners:
+            return
+        if me in owners:
+            raise RuntimeError(
+                "A state used by a `jaxstate.jit` call was reached again from the "
+                "same thread while that call was running (for example from a host "
+                "callback inside it). Read or write it outside the compiled "
+                "function, or pass it in and return what you need."
+            )
+        _cond.wait()
+
+
+@contextlib.contextmanager
+def exclusive(storages: Iterable[Any]) -> Iterator[None]:
+    """Holds the lock, once none of `storages` is checked out: for short eager
+    reads and writes of their buffers."""
+    ids = [s.id for s in storages]
+    with _cond:
+        if _busy:
+            _wait_free(ids)
+        yield
+
+
+def checkout(ids: Iterable[int]) -> None:
+    """Marks the states as in use by this thread's `jaxstate.jit` call."""
+    with _cond:
+        if _busy:
+            _wait_free(ids)
+        me = threading.get_ident()
+        for i in ids:
+            _busy[i] = me
+
+
+def release(ids: Iterable[int]) -> None:
+    with _cond:
+        for i in ids:
+            _busy.pop(i, None)
+        _cond.notify_all()
+
+
+#
+# Deferring SIGINT. Python runs signal handlers in the main thread, between
+# bytecodes; ours records the signal while a critical section is open there and
+# otherwise hands it to the handler it replaced.
+#
+
+_local = threading.local()
+_main = threading.main_thread().ident
+
+
+class _Deferring:
+    __slots__ = ("previous",)
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, signum, frame):
+        if getattr(_local, "depth", 0):
+            _local.deferred = (signum, frame)
+            return
+        return self.previous(signum, frame)
+
+
+def _install() -> bool:
+    current = signal.getsignal(signal.SIGINT)
+    if type(current) is _Deferring:
+        return True
+    if not callable(current):
+        # Ignored, or the default action (no Python handler): no interrupt to
+        # defer.
+        return False
+    signal.signal(signal.SIGINT, _Deferring(current))
+    return True
+
+
+@contextlib.contextmanager
+def critical() -> Iterator[None]:
+    """Defers `KeyboardInterrupt` (in the main thread) to the end of the block."""
+    if threading.get_ident() != _main or not _install():
+        yield
+        return
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+        deferred = getattr(_local, "deferred", None)
+        if deferred is not None and _local.depth == 0:
+            _local.deferred = None
+            handler = signal.getsignal(signal.SIGINT)
+            if type(handler) is _Deferring:
+                handler.previous(*deferred)
