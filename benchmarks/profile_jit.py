@@ -36,6 +36,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 
 import jaxstate
 
@@ -379,6 +380,11 @@ def _capture(J, compiled, go: Callable[[], Any]) -> tuple[Any, Any]:
     return box["call"], box["out"]
 
 
+def _is_array(x) -> bool:
+    # What `jaxstate.jit` passes as an array argument of its own (no `Part`).
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def _n_modules(treedef) -> int:
     data = treedef.node_data()
     own = int(
@@ -409,7 +415,7 @@ def _micro(J, plain, timed, state, call_timed, calls):
             skipped[label] = f"{type(e).__name__}: {e}"[:120]
 
     fun, args = plain.fun, state["timed"]
-    objs = [a for a in args if not A.is_array(a)]
+    objs = [a for a in args if not _is_array(a)]
     tree = (fun, {}, args)
     counts[N_LEAVES] = len(jtu.tree_leaves(tree, is_leaf=A.is_leaf))
     # What a memo miss would do: analyse every argument that is not an array.
@@ -450,7 +456,7 @@ def _micro(J, plain, timed, state, call_timed, calls):
     # fails) an equal key that is a new object, looked up by hash and `==`.
     add(KEY_IS, lambda: lambda: all(map(operator.is_, key, last_key)))
     parts = [A.analyse(fun), A.analyse({})]
-    parts += [a if A.is_array(a) else A.analyse(a) for a in args]
+    parts += [a if _is_array(a) else A.analyse(a) for a in args]
     new_key = J.Call(parts).key
     if timed.cache.get(new_key) is timed.last[1]:
         add(GET_KEY, lambda: lambda: timed.cache.get(new_key))
