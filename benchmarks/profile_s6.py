@@ -1,6 +1,10 @@
-"""`python -m benchmarks.profile_s6 [--calls N] [--callgrind]`: the digits CNN
-training step of S6b under `jaxstate.jit` against the same step threaded by hand
-through `jax.jit`, compared by counts rather than by time.
+"""`python -m benchmarks.profile_s6 [--calls N] [--callgrind] [--counts S1,S6a]`:
+the digits CNN training step of S6b under `jaxstate.jit` against the same step
+threaded by hand through `jax.jit`, compared by counts rather than by time.
+
+The jaxstate step is timed as a user would write it (model, optax state and
+metrics as three arguments) and, for comparison, with its arguments grouped into
+Equinox modules.
 
 (a) The compiled programs: instructions of the optimised HLO by opcode (the entry
 computation and everything it calls), fusions, copies, parameters and outputs,
@@ -13,6 +17,9 @@ and host microseconds per call (wall time: only indicative on a shared machine).
 With `--callgrind` (needs valgrind), also the CPU instructions of the caller's
 thread per call, counted by callgrind around a loop of calls after warming up
 (instrumentation switched on and off with `callgrind_control`).
+
+`--counts S1,S2,S6a,S6b,S6c` instead counts Python calls and bytecodes per step of
+every variant of those scenarios.
 """
 
 import argparse
@@ -30,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 
 import jaxstate
@@ -42,8 +50,8 @@ from . import s6_cnn
 #
 
 
-def setups() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """name -> (one call: returns something to block on, lower+compile)."""
+def setups() -> dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]]:
+    """name -> (one call: returns something to block on, lower+compile or None)."""
     batches = s6_cnn.batches("NCHW")
     x, y = batches[0]
 
@@ -58,6 +66,29 @@ def setups() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     def js_compiled():
         return js.lower(js_box[0], js_box[1], metrics, x, y).compile()
 
+    # The same step with its arguments grouped into Equinox modules, which
+    # `jaxstate.jit` remembers from one call to the next (see the report).
+    fun2, model2, opt2, metrics2 = s6_cnn.js_setup()
+    boxed = jaxstate.jit(lambda m, o, mt, x, y: _rebox(fun2(m, o.value, mt, x, y), 1))
+    boxed_box = [model2, _Box(opt2)]
+
+    def boxed_call():
+        boxed_box[0], boxed_box[1], loss = boxed(*boxed_box, metrics2, x, y)
+        return loss
+
+    fun3, model3, opt3, metrics3 = s6_cnn.js_setup()
+
+    def one_step(ts, x, y):
+        m, o, loss = fun3(ts.model, ts.opt_state, ts.metrics, x, y)
+        return _TrainState(m, o, ts.metrics), loss
+
+    one = jaxstate.jit(one_step)
+    one_box = [_TrainState(model3, opt3, metrics3)]
+
+    def one_call():
+        one_box[0], loss = one(one_box[0], x, y)
+        return loss
+
     hand, hand_box = s6_cnn.hand_setup()
 
     def hand_call():
@@ -71,7 +102,27 @@ def setups() -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     return {
         "hand-threaded jax.jit (donated)": (hand_call, hand_compiled),
         "jaxstate.jit": (js_call, js_compiled),
+        BOXED: (boxed_call, None),
+        ONE: (one_call, None),
     }
+
+
+BOXED = "jaxstate.jit, optimiser state in an eqx.Module"
+ONE = "jaxstate.jit, model + optimiser state + metrics in one eqx.Module"
+
+
+class _Box(eqx.Module):
+    value: Any
+
+
+class _TrainState(eqx.Module):
+    model: Any
+    opt_state: Any
+    metrics: Any
+
+
+def _rebox(out: tuple, i: int) -> tuple:
+    return (*out[:i], _Box(out[i]), *out[i + 1 :])
 
 
 #
@@ -301,30 +352,78 @@ def callgrind(name: str, calls: int) -> tuple[float, float] | str:
             thread = re.search(r"-(\d+)$", file)
             with open(os.path.join(tmp, file)) as f:
                 for line in f:
-                    if line.startswith(("totals:", "summary:")):
+                    # "summary:" comes first and may be 0; "totals:" ends the file.
+                    if line.startswith("totals:"):
                         totals[int(thread.group(1)) if thread else 1] = int(
                             line.split()[1]
                         )
-                        break
         if not totals:
             return "callgrind wrote no totals"
         main = totals.get(1, 0)
         return main / calls, sum(totals.values()) / calls
 
 
+def variant_counts(keys: list[str], calls: int) -> list[str]:
+    """Python calls and bytecodes per step of every variant of some scenarios:
+    exact counts, comparable on a busy machine where times are not."""
+    from . import s1_dispatch, s2_cnn, s6_decode, s6_mlp
+    from ._harness import check, Config
+
+    modules = {
+        "S1": s1_dispatch,
+        "S2": s2_cnn,
+        "S6a": s6_mlp,
+        "S6b": s6_cnn,
+        "S6c": s6_decode,
+    }
+    lines = []
+    for key in keys:
+        module = modules[key]
+        variants = module.variants(Config.make(True))
+        check(variants, 3)
+        rows = []
+        for v in variants:
+            if not v.available or v.step is None:
+                rows.append([v.name, f"unavailable: {v.unavailable}", "", ""])
+                continue
+            _warm(v.step, 5)
+            n_calls, _ = calls_profile(v.step, calls)
+            rows.append([v.name, n_calls, bytecodes(v.step, calls), ""])
+        base = rows[0]
+        for row in rows:
+            if isinstance(row[1], float):
+                row[3] = f"{row[1] / base[1]:.2f}× / {row[2] / base[2]:.2f}×"
+        lines += [f"### {key}: {module.TITLE}", ""]
+        lines += _md(
+            ["variant", "Python calls / step", "bytecodes / step", "× hand"], rows
+        )
+        lines.append("")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_s6")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--callgrind", action="store_true")
+    parser.add_argument(
+        "--counts",
+        default="",
+        help="instead: exact per-step counts of every variant of these scenarios "
+        "(comma-separated, of S1, S2, S6a, S6b, S6c)",
+    )
     parser.add_argument("--callgrind-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.callgrind_child is not None:
         callgrind_child(args.callgrind_child, args.calls)
         return
+    if args.counts:
+        keys = [k.strip() for k in args.counts.split(",") if k.strip()]
+        print("\n".join(variant_counts(keys, args.calls)))
+        return
     runs = setups()
     for call, _ in runs.values():
         _warm(call)
-    compiled = {name: make() for name, (_, make) in runs.items()}
+    compiled = {name: make() for name, (_, make) in runs.items() if make is not None}
     lines = ["## (a) The compiled programs", ""]
     lines += hlo_table(compiled)
     lines += ["", "## (b) The Python around each call", ""]
