@@ -11,6 +11,7 @@ from ._flag import flag_value
 from ._index import _check_index, StateIndex
 from ._local import at_top
 from ._lock import critical, exclusive
+from ._slow import note_reference_path
 from ._storage import check_not_passed_in, resolve, Storage
 from ._vmap import check_vmaps, is_eager, read, traced_for, write
 
@@ -108,6 +109,8 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
         values = [jnp.asarray(leaf) for leaf in leaves]
     else:
         _check_not_in_shard_map(index, storage, traced_for(), fn)
+        if storage.real is None:
+            note_reference_path(stacklevel=4)  # user -> set_state -> _set -> here
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -195,6 +198,7 @@ def get_state(
             "`__init__`), or create the index with `StateIndex(init=value)`."
             + describe_unset(storage)
         )
+    assert storage.refs is not None
     like_leaves = None
     if like is not None:
         like_leaves, treedef = _flatten_arrays(like, "get_state", "like")
@@ -207,6 +211,8 @@ def get_state(
         return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
     enclosing = traced_for()
     _check_not_in_shard_map(index, storage, enclosing, "get_state")
+    if storage.real is None:
+        note_reference_path(stacklevel=3)  # user -> get_state -> here
     if "while_cond" in enclosing:
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
@@ -325,10 +331,11 @@ def _copy(storage: Storage, ref) -> jax.Array:
     buf = _jax.buffer_holder(ref)._buf
     if buf.is_deleted():
         raise RuntimeError(
-            "This state's memory was deleted: a compiled call that used it through "
-            "a captured reference (plain `jax.jit` or `eqx.filter_jit`) failed while "
-            "running, after XLA had taken the buffer. That is a limitation of JAX's "
-            "references; `jaxstate.jit` keeps the state of a failed call. Set the "
-            "state again (or reload it) before using it."
+            "This state's memory was deleted: a compiled call took its buffer and "
+            "gave no new one back. That happens when a function compiled with plain "
+            "`jax.jit` or `eqx.filter_jit` fails while running (or is interrupted) "
+            "after XLA took the buffers of the references it captured, a limitation "
+            "of JAX's references; `jaxstate.jit` keeps the state in both cases. Set "
+            "the state again (or reload it) before using it."
         )
     return jnp.copy(buf)
