@@ -169,6 +169,13 @@ def test_published_pattern_trains_like_the_hand_threaded_model(
         losses.append(float(loss))
     _assert_same_params(model.layers, layers)
     np.testing.assert_array_equal(model.dropout_p.unsafe_get(), P)
+    # And called on its own after training, as when evaluating.
+    out = model(x[0])
+    key, sub = jr.split(key)
+    np.testing.assert_allclose(out, _forward(layers, P, sub, x[0]), rtol=1e-5)
+    np.testing.assert_array_equal(
+        _key_bits(model.dropout_key.unsafe_get()), _key_bits(key)
+    )
     assert np.mean(losses[-3:]) < 0.6 * np.mean(losses[:3])
 
 
@@ -358,6 +365,28 @@ def test_reused_under_a_transform_reads_and_writes_as_a_fresh_trace(way, layout,
         if context.startswith("vmap"):
             _assert_close(fresh_out, expected, f"{context}, fresh")
             _assert_close(_value(twin), state, f"{context}, fresh")
+
+
+@pytest.mark.parametrize("op", ["write", "key"])
+@pytest.mark.parametrize(
+    "way, layout", [(w, lay) for w, lay in CONFIGS if not w.endswith("/closure")]
+)
+def test_reused_inside_another_compiler_with_the_model_as_argument(way, layout, op):
+    # As the library's `__call__` inside its training step: the model is an
+    # argument of both the compiled function and the one around it. Then the
+    # compiled function is called on its own again, and inside again.
+    model = _init(op, layout)
+    w = Way(way, BODIES[op])
+    inner = BODIES[op] if way == "eager" else w.compiled
+    state = _value(model)
+    calls = [("first call", inner)] + [
+        (name, COMPILE[name](lambda m, x, y: inner(m, x, y))) for name in COMPILE
+    ]
+    for what, g in calls + calls:
+        out = g(model, jnp.asarray(X0), jnp.asarray(Y))
+        expected, state = _expected(op, state, X0, Y)
+        _assert_close(out, expected, what)
+        _assert_close(_value(model), state, what)
 
 
 # Reused under vmaps, for a state with a batch axis: one row of `XS` and one write
