@@ -25,10 +25,6 @@ from . import _jax
 
 _ids = itertools.count()
 
-# Held while a state's buffers are read and replaced outside compiled code (eager
-# reads and writes, `jaxstate.jit` calls), so that threads never lose an update or
-# read a buffer another thread has just donated.
-state_lock = threading.RLock()
 _signature_ids: dict[Any, int] = {}
 
 
