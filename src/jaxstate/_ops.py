@@ -134,8 +134,10 @@ def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
 
     - `index`: a [`jaxstate.StateIndex`][].
     - `state`: a PyTree of arrays. The first `set_state` of an index fixes the
-        structure, shapes and dtypes, and must happen outside `jit` (it allocates
-        the state's memory); under eager `vmap` it stores one slice per member.
+        structure, shapes and dtypes; under `vmap` it stores one slice per member.
+        It may happen eagerly or inside a trace (`jit`, `scan`, `cond`, ...): there
+        the state's memory is allocated when the function is traced, and the
+        index counts as set once the program has run and reached the set.
 
     **Returns:**
 
@@ -146,9 +148,9 @@ def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
     - `TypeError` if `state` has a leaf that is not an array.
     - `RuntimeError` if the index is in inference mode; if `state` differs in
         structure, shape or dtype from the stored state; if this is the first set
-        and it happens inside a transform other than `vmap`; or (when the call is
-        compiled or evaluated) if the enclosing vmaps do not match the state's batch
-        axes. After an error the stored state is unchanged.
+        and it happens inside a `shard_map` body; or (when the call is compiled or
+        evaluated) if the enclosing vmaps do not match the state's batch axes.
+        After an error the stored state is unchanged.
 
     !!! info
 
