@@ -286,10 +286,23 @@ def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
 def _fresh(holder, value) -> jax.Array:
     """A buffer of `value`'s own for a reference: strongly typed, on the
     reference's devices, never aliasing `value` (`jaxstate.jit` donates it)."""
+    sharding = holder._buf.sharding
+    if not sharding.is_fully_addressable:
+        # Spread over several processes: `device_put` cannot place onto other
+        # processes' devices, so the loaders hand over global arrays already laid
+        # out as the state is.
+        if not (isinstance(value, jax.Array) and value.sharding == sharding):
+            raise ValueError(
+                "A state spread over several processes can only be given a global "
+                "array with the same sharding as the state (as `jaxstate.load` and "
+                "`jaxstate.load_checkpoint_tree` build); place the value with "
+                "`jax.make_array_from_callback` first."
+            )
+        return jnp.copy(value)
     value = jnp.asarray(value)
     if _jax.typeof(value).weak_type:
         value = lax.convert_element_type(value, value.dtype)
-    return jax.device_put(value, holder._buf.sharding, may_alias=False)
+    return jax.device_put(value, sharding, may_alias=False)
 
 
 def commit(items: list[tuple[Storage, list]]) -> None:
