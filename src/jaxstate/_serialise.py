@@ -104,12 +104,8 @@ def _atomic(path: pathlib.Path) -> Iterator[Any]:
         raise
 
 
-class _NotOurs(ValueError):
-    pass
-
-
 def _not_ours(path, why: str) -> ValueError:
-    return _NotOurs(
+    return ValueError(
         f"`jaxstate.load`: {str(path)!r} is not a checkpoint written by "
         f"`jaxstate.save`: {why}. Nothing was loaded."
     )
@@ -121,8 +117,16 @@ def _read(path: str | pathlib.Path) -> dict[str, Any]:
     import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 
     with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":
-            raise _not_ours(path, "it is not an `.npz` (zip) file")
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":
+        raise _not_ours(
+            path,
+            "it is a NumPy `.npy` stream, as `np.save` and Equinox's "
+            "`tree_serialise_leaves` write. Load an Equinox file with "
+            "`jaxstate.tree_deserialise_leaves`",
+        )
+    if magic[:4] != b"PK\x03\x04":
+        raise _not_ours(path, "it is not an `.npz` (zip) file")
     try:
         data = np.load(path, allow_pickle=False)
     except (zipfile.BadZipFile, ValueError, OSError) as e:
@@ -136,16 +140,20 @@ def _read(path: str | pathlib.Path) -> dict[str, Any]:
             )
         try:
             meta = json.loads(bytes(data["manifest"]).decode())
+            version = meta.get("version", 0)
+            if meta.get("format", _FORMAT) != _FORMAT:
+                raise ValueError(f"unknown format {meta.get('format')!r}")
+        except (AttributeError, UnicodeDecodeError, ValueError) as e:
+            raise _not_ours(path, f"its manifest is damaged ({e})") from e
+        if version > _VERSION:
+            raise _not_ours(
+                path,
+                f"it was written by a newer jaxstate (format version {version}); "
+                "update jaxstate to read it",
+            )
+        try:
             names, arrays = meta["names"], meta["arrays"]
             keys = meta.get("keys", {})
-            if meta.get("format", _FORMAT) != _FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}")
-            if meta.get("version", 0) > _VERSION:
-                raise _not_ours(
-                    path,
-                    f"it was written by a newer jaxstate (format version "
-                    f"{meta['version']}); update jaxstate to read it",
-                )
             mapping = {}
             for i, name in enumerate(names):
                 dtype_name, shape = arrays[name]
@@ -160,8 +168,6 @@ def _read(path: str | pathlib.Path) -> dict[str, Any]:
                 if name in keys:
                     value = jax.random.wrap_key_data(value, impl=keys[name])
                 mapping[name] = value
-        except _NotOurs:
-            raise
         except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
             raise _not_ours(path, f"its manifest or entries are damaged ({e})") from e
     return mapping
@@ -623,11 +629,16 @@ def tree_deserialise_leaves(
             stack.enter_context(_calling(_Stream(f, staged=staged)))
             out = eqx.tree_deserialise_leaves(f, like, spec, _combined(is_leaf))
     except RuntimeError as e:
-        # Equinox names the leaf, and keeps the reason as the cause.
-        if isinstance(e.__cause__, ValueError):
+        # Equinox names the leaf (once per level of the tree), and keeps the reason
+        # as the innermost cause.
+        reason = e
+        while isinstance(reason, RuntimeError) and reason.__cause__ is not None:
+            reason = reason.__cause__
+        if isinstance(reason, ValueError):
+            where = jtu.keystr(tuple(getattr(e, "path", ()))).lstrip(".") or "the top"
             raise ValueError(
-                f"jaxstate.tree_deserialise_leaves: {e}: {e.__cause__}"
-            ) from e.__cause__
+                f"jaxstate.tree_deserialise_leaves, at {where}: {reason}"
+            ) from reason
         raise
     # Everything was read and Equinox's checks passed: now write every state.
     commit(
