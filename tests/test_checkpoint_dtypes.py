@@ -179,3 +179,15 @@ def test_keys_of_another_implementation_are_refused(impl, tmp_path):
     with pytest.raises(ValueError, match="key<"):
         jaxstate.tree_deserialise_leaves(tmp_path / "k.eqx", like)
     assert bits(like.unsafe_get()) == before
+
+
+def test_orbax(source, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        tree = jaxstate.checkpoint_tree(source)
+        manager.save(0, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+        like = Zoo(7)
+        target = jaxstate.checkpoint_tree(like, abstract=True)
+        restored = manager.restore(0, args=ocp.args.StandardRestore(target))
+    assert_same(source, jaxstate.load_checkpoint_tree(like, restored))
