@@ -166,7 +166,9 @@ def _read(path: str | pathlib.Path) -> dict[str, Any]:
                     )
                 value = raw.view(dtype).reshape(shape)
                 if name in keys:
-                    value = jax.random.wrap_key_data(value, impl=keys[name])
+                    value = jax.random.wrap_key_data(
+                        jnp.asarray(value), impl=keys[name]
+                    )
                 mapping[name] = value
         except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
             raise _not_ours(path, f"its manifest or entries are damaged ({e})") from e
@@ -305,7 +307,12 @@ def _read_array(f, shape, dtype, what: str) -> Any:
             raise _Corrupt(f"{what} should be here, but the file has {_describe(item)}")
         data = _load_item(f)
         if "key" in meta:
-            value = jax.random.wrap_key_data(data, impl=meta["key"])
+            try:
+                value = jax.random.wrap_key_data(jnp.asarray(data), impl=meta["key"])
+            except (TypeError, ValueError) as e:
+                raise _Corrupt(
+                    f"the file's key data for {what} is damaged ({e})"
+                ) from e
         else:
             value = data.view(jnp.dtype(meta["dtype"])).reshape(meta["shape"])
     else:

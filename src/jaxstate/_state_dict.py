@@ -212,7 +212,7 @@ def checked(name: str, value: Any, shape: tuple, dtype, fn: str) -> Any:
                     f", or their key data (`jax.random.key_data`) of uint32{list(want)}"
                     f", but it holds {text(data.shape, data.dtype)}."
                 )
-            value = jax.random.wrap_key_data(data, impl=key_impl(dtype))
+            value = jax.random.wrap_key_data(jnp.asarray(data), impl=key_impl(dtype))
     elif isinstance(value, jax.Array):
         if is_key_dtype(value.dtype):
             raise ValueError(
