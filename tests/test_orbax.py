@@ -2,7 +2,9 @@
 keeping the last N, asynchronous saves; sharded state on 8 devices restored into
 the same or another sharding; two processes saving and one restoring."""
 
+import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -171,8 +173,6 @@ def _finish(procs, timeout=400):
 
 @pytest.mark.slow
 def test_sharded_state_on_eight_devices(tmp_path):
-    import os
-
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     _finish([_worker("sharded", tmp_path / "run", env=env)])
 
@@ -185,3 +185,24 @@ def test_two_processes_save_and_one_restores(tmp_path):
     directory = tmp_path / "run"
     _finish([_worker("save", directory, f"127.0.0.1:{port}", 2, i) for i in range(2)])
     _finish([_worker("restore", directory)])
+
+
+def test_the_example_in_the_docs(tmp_path, monkeypatch):
+    page = pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md"
+    (block,) = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+        if "CheckpointManager" in b
+    ]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block, namespace)
+    model, opt_state = namespace["model"], namespace["opt_state"]
+    like = namespace["like"]
+    # The restored step (20) is what a fresh run of 21 steps gives.
+    reference, reference_opt = namespace["make"](jax.random.key(0))
+    for step in range(21):
+        xs = jax.random.normal(jax.random.key(step), (32, 3))
+        reference, reference_opt = namespace["train_step"](reference, reference_opt, xs)
+    assert _bits((model, opt_state)) == _bits((reference, reference_opt))
+    assert _bits(like[0].bn.batch_state) == _bits(reference.bn.batch_state)
