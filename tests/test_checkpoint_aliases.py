@@ -128,26 +128,29 @@ def test_aliases_are_accepted_and_must_agree():
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
 
 
-def _train(model, opt_state, optim, steps, start=0):
-    @jaxstate.jit
-    def step(model, opt_state, x):
-        grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        updates, opt_state = optim.update(grads, opt_state, model)
-        return eqx.apply_updates(model, updates), opt_state
+OPTIM = optax.adam(1e-2)
 
+
+@jaxstate.jit
+def _step(model, opt_state, x):
+    grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    updates, opt_state = OPTIM.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state
+
+
+def _train(model, opt_state, steps, start=0):
     for i in range(start, start + steps):
-        model, opt_state = step(model, opt_state, _batch(i))
+        model, opt_state = _step(model, opt_state, _batch(i))
     return model, opt_state
 
 
 def _adam_setup(key):
     model = Block(jax.random.key(key))
-    optim = optax.adam(1e-2)
-    return model, optim.init(eqx.filter(model, eqx.is_inexact_array)), optim
+    return model, OPTIM.init(eqx.filter(model, eqx.is_inexact_array))
 
 
 def test_the_optax_state_holds_the_models_indices():
-    model, opt_state, _ = _adam_setup(0)
+    model, opt_state = _adam_setup(0)
     names = list(jaxstate.state_dict((model, opt_state)))
     assert "[0].bn.counter" in names and "[1][0].mu.linear.weight" in names
     assert not any(".mu.bn.counter" in n or ".nu.bn.batch" in n for n in names)
@@ -155,9 +158,8 @@ def test_the_optax_state_holds_the_models_indices():
 
 @pytest.mark.parametrize("how", ["state_dict", "save", "tree_serialise_leaves"])
 def test_model_and_adam_state_round_trip(how, tmp_path):
-    model, opt_state, optim = _adam_setup(0)
-    model, opt_state = _train(model, opt_state, optim, 3)
-    like_model, like_opt, _ = _adam_setup(1)
+    model, opt_state = _train(*_adam_setup(0), 3)
+    like_model, like_opt = _adam_setup(1)
     like = (like_model, like_opt)
     if how == "state_dict":
         out = jaxstate.load_state_dict(like, jaxstate.state_dict((model, opt_state)))
@@ -169,8 +171,8 @@ def test_model_and_adam_state_round_trip(how, tmp_path):
         out = jaxstate.tree_deserialise_leaves(tmp_path / "ckpt.eqx", like)
     _assert_same(out, (model, opt_state))
     # Training resumes exactly where it stopped.
-    resumed, _ = _train(*out, optim, 2, start=3)
-    reference, _ = _train(model, opt_state, optim, 2, start=3)
+    resumed, _ = _train(*out, 2, start=3)
+    reference, _ = _train(model, opt_state, 2, start=3)
     _assert_same(resumed, reference)
 
 

@@ -101,9 +101,10 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
 
     **Returns:**
 
-    A pair `(pure_fun, state)`. `state` is the current state, a dict from the path
-    of each distinct index in `tree` to its value (stacked, for state set under
-    vmap). `pure_fun(state, *args, **kwargs)` runs `fun(*args, **kwargs)` with the
+    A pair `(pure_fun, state)`. `state` is the current state, read consistently
+    (as [`jaxstate.state_dict`][] reads it): a dict from the name of each distinct
+    state (the path of the first index in `tree` that reaches it) to its value
+    (stacked, for state set under vmap). `pure_fun(state, *args, **kwargs)` runs `fun(*args, **kwargs)` with the
     state taken from its `state` argument instead of from the device, and returns
     `(out, new_state)`, leaving the stored state alone. It can be jitted, exported
     with `jax.export`, differentiated, `pmap`ped.
@@ -143,7 +144,13 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
     **Returns:**
 
     A function `(*args, **kwargs) -> out`, called eagerly, that updates the state of
-    `tree` in place.
+    `tree` in place. The state `pure_fun` returns is checked first (names,
+    structure, shapes, dtypes), then every state is written at once.
+
+    **Raises:**
+
+    The function raises `ValueError` if `pure_fun` returns a state that does not
+    fit; then nothing is written.
     """
     storages = _indices(tree)
 
