@@ -171,6 +171,22 @@ def test_custom_filter_spec_and_is_leaf(tmp_path):
     assert _bits(out.linear) == _bits(like.linear)  # skipped
 
 
+def test_is_leaf_hiding_an_index_is_an_error(tmp_path):
+    model = _trained()
+
+    def is_leaf(x):
+        return isinstance(x, jaxstate.nn.BatchNorm)
+
+    with pytest.raises(ValueError, match="at bn: `is_leaf` made a BatchNorm holding"):
+        jaxstate.tree_serialise_leaves(tmp_path / "m.eqx", model, is_leaf=is_leaf)
+    assert not (tmp_path / "m.eqx").exists()
+    jaxstate.tree_serialise_leaves(tmp_path / "m.eqx", model)
+    like = Model(jax.random.key(1))
+    with pytest.raises(ValueError, match="state would be left out"):
+        jaxstate.tree_deserialise_leaves(tmp_path / "m.eqx", like, is_leaf=is_leaf)
+    assert like.bn.counter.unsafe_get() == 0
+
+
 def test_an_ensemble_through_equinox_filter_specs(tmp_path):
     make = eqx.filter_vmap(Model)
     ensemble = make(jax.random.split(jax.random.key(0), 3))

@@ -575,6 +575,11 @@ def tree_serialise_leaves(
         (also a PyTree of such functions); indices always write their state.
     - `is_leaf`: as for Equinox; indices are leaves in any case.
 
+    **Raises:**
+
+    `ValueError` if `is_leaf` makes a node holding an index a leaf (its state would
+    be left out). A path is then left as it was.
+
     !!! example
 
         ```python
@@ -585,12 +590,12 @@ def tree_serialise_leaves(
     storages = _storages(pytree, is_leaf)
     values = dict(zip(storages, snapshot(list(storages.values())), strict=True))
     spec = _wrap(filter_spec, _write_state)
-    if isinstance(path_or_file, (str, pathlib.Path)):
-        with _atomic(_with_suffix(path_or_file)) as f, _calling(_Stream(f, values)):
-            eqx.tree_serialise_leaves(f, pytree, spec, _combined(is_leaf))
-    else:
-        with _calling(_Stream(path_or_file, values)):
-            eqx.tree_serialise_leaves(path_or_file, pytree, spec, _combined(is_leaf))
+    with _reasons("tree_serialise_leaves"), contextlib.ExitStack() as stack:
+        f = path_or_file
+        if isinstance(f, (str, pathlib.Path)):
+            f = stack.enter_context(_atomic(_with_suffix(f)))
+        stack.enter_context(_calling(_Stream(f, values)))
+        eqx.tree_serialise_leaves(f, pytree, spec, _combined(is_leaf))
 
 
 def tree_deserialise_leaves(
@@ -623,30 +628,20 @@ def tree_deserialise_leaves(
 
     **Raises:**
 
-    `ValueError` (from Equinox, with the path of the leaf) if the file does not fit
-    `like`: another structure, shape or dtype, or a file written without the state.
+    `ValueError`, naming the path of the leaf, if the file does not fit `like`
+    (another structure, shape, dtype or key implementation, states shared
+    differently, or a file written without the state), or if `is_leaf` makes a
+    node holding an index a leaf. Equinox's own check that each loaded leaf has the
+    type of `like`'s raises its `RuntimeError`. Nothing is changed on error.
     """
     staged: dict[int, tuple[Storage, list]] = {}
     spec = _wrap(filter_spec, _read_state)
-    try:
-        with contextlib.ExitStack() as stack:
-            f = path_or_file
-            if isinstance(f, (str, pathlib.Path)):
-                f = stack.enter_context(open(_with_suffix(f), "rb"))
-            stack.enter_context(_calling(_Stream(f, staged=staged)))
-            out = eqx.tree_deserialise_leaves(f, like, spec, _combined(is_leaf))
-    except RuntimeError as e:
-        # Equinox names the leaf (once per level of the tree), and keeps the reason
-        # as the innermost cause.
-        reason = e
-        while isinstance(reason, RuntimeError) and reason.__cause__ is not None:
-            reason = reason.__cause__
-        if isinstance(reason, ValueError):
-            where = jtu.keystr(tuple(getattr(e, "path", ()))).lstrip(".") or "the top"
-            raise ValueError(
-                f"jaxstate.tree_deserialise_leaves, at {where}: {reason}"
-            ) from reason
-        raise
+    with _reasons("tree_deserialise_leaves"), contextlib.ExitStack() as stack:
+        f = path_or_file
+        if isinstance(f, (str, pathlib.Path)):
+            f = stack.enter_context(open(_with_suffix(f), "rb"))
+        stack.enter_context(_calling(_Stream(f, staged=staged)))
+        out = eqx.tree_deserialise_leaves(f, like, spec, _combined(is_leaf))
     # Everything was read and Equinox's checks passed: now write every state.
     commit(
         [
@@ -658,6 +653,24 @@ def tree_deserialise_leaves(
         ]
     )
     return out
+
+
+@contextlib.contextmanager
+def _reasons(fn: str) -> Iterator[None]:
+    """Turns Equinox's error for a leaf back into the `ValueError` that caused it,
+    with the leaf's path."""
+    try:
+        yield
+    except RuntimeError as e:
+        # Equinox names the leaf (once per level of the tree), and keeps the reason
+        # as the innermost cause.
+        reason = e
+        while isinstance(reason, RuntimeError) and reason.__cause__ is not None:
+            reason = reason.__cause__
+        if isinstance(reason, ValueError):
+            where = jtu.keystr(tuple(getattr(e, "path", ()))).lstrip(".") or "the top"
+            raise ValueError(f"jaxstate.{fn}, at {where}: {reason}") from reason
+        raise
 
 
 def _storages(tree, is_leaf) -> dict[int, Storage]:
@@ -678,6 +691,15 @@ def _wrap(filter_spec: Any, state_fn: Callable) -> Any:
         def wrapped(f, x):
             if isinstance(x, StateIndex):
                 return _loading(state_fn, f, x)
+            if not eqx.is_array(x) and any(
+                isinstance(y, StateIndex)
+                for y in jtu.tree_leaves(x, is_leaf=is_state_index)
+            ):
+                raise ValueError(
+                    f"`is_leaf` made a {type(x).__name__} holding a StateIndex a "
+                    "leaf, so its state would be left out. Let `is_leaf` return "
+                    "`False` for nodes that hold state."
+                )
             return spec(f, x)
 
         return wrapped
