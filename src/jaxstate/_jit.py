@@ -29,10 +29,10 @@ import jax.tree_util as jtu
 from jax.experimental import checkify
 
 from . import _jax
-from ._jit_args import ARRAY, Call, is_slot, is_static_slot, Memo, OutPart
+from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
 from ._local import LocalRef
 from ._lock import checkout, critical, release
-from ._storage import Handle, passed_in, redirected, Storage
+from ._storage import Handle, passed_in, Storage
 from ._vmap import is_eager
 
 
@@ -56,9 +56,7 @@ jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(
 def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
-        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s
-        for s in spec
-        if not is_static_slot(s)
+        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s for s in spec
     ]
 
 
@@ -100,13 +98,7 @@ class _Compiled:
     def __init__(self, wrapper: "_JitWrapper", key):
         self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
         # The signature id of each slot, for the parts of returned modules.
-        self.slot_sigs = {
-            s[1]: s[2]
-            for _, spec in key
-            for s in spec
-            if is_slot(s) or is_static_slot(s)
-        }
-        self.static_slots = [s[1] for _, spec in key for s in spec if is_static_slot(s)]
+        self.slot_sigs = {s[1]: s[2] for _, spec in key for s in spec if is_slot(s)}
         self.jitkwargs = wrapper.jitkwargs
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
         self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **self.jitkwargs)
@@ -162,10 +154,7 @@ class _Compiled:
             jtu.tree_unflatten(treedef, _rebuild(spec, it, handles))
             for treedef, spec in self.key
         ]
-        # Indices in static fields are part of the tree structure: they reach their
-        # stand-ins through `resolve`.
-        statics = {self.passed[s].id: proxies[s] for s in self.static_slots}
-        with passed_in(self.passed), redirected(statics):
+        with passed_in(self.passed):
             out = fun(*args, **kwargs)
         if any(p.pending is not None for p in proxies):
             self.created = True

@@ -122,5 +122,5 @@ def critical() -> Iterator[None]:
         if deferred is not None and _local.depth == 0:
             _local.deferred = None
             handler = signal.getsignal(signal.SIGINT)
-            if type(handler) is _Deferring:
+            if isinstance(handler, _Deferring):
                 handler.previous(*deferred)
