@@ -18,7 +18,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._create import _install, new_ref
+from ._copy import restore_storage
 from ._index import StateIndex
 from ._ops import commit, snapshot
 from ._state_dict import (
@@ -413,14 +413,13 @@ def _write_state(f, index: StateIndex) -> None:
 
 def _fresh_index(index: StateIndex, storage: Storage, leaves: list) -> StateIndex:
     """A copy of `index` with a new state of its own, holding `leaves` (stacked,
-    checked), placed like `storage`'s."""
-    refs = tuple(
-        new_ref(jax.device_put(leaf, ref.sharding))
+    checked), placed like `storage`'s (as `copy.deepcopy` of a model makes one)."""
+    placed = [
+        jax.device_put(leaf, ref.sharding)
         for leaf, ref in zip(leaves, storage.refs or (), strict=True)
-    )
-    new = Storage()
-    _install(
-        new, refs, storage.treedef, storage.member_avals, storage.batch_shape, None
+    ]
+    new = restore_storage(
+        (storage.treedef, storage.member_avals, storage.batch_shape, placed)
     )
     return eqx.tree_at(lambda i: i._handle, index, Handle.of(new))
 
