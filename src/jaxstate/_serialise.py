@@ -343,7 +343,16 @@ class _Stream:
     of state records, and, per state, the record holding it (so that a state reached
     through several indices is written and read once)."""
 
-    __slots__ = ("f", "position", "count", "first", "records", "values", "staged")
+    __slots__ = (
+        "f",
+        "position",
+        "count",
+        "first",
+        "records",
+        "read",
+        "values",
+        "staged",
+    )
 
     def __init__(self, f, values=None, staged=None):
         self.f = f
@@ -352,6 +361,7 @@ class _Stream:
         self.first: dict[int, int] = {}  # writing: storage id -> record number
         # Reading: record number -> (storage id of `like`, the loaded state).
         self.records: dict[int, tuple[int, Any]] = {}
+        self.read: set[int] = set()  # storage ids of `like` loaded so far
         # Set inside `jaxstate.tree_(de)serialise_leaves`: one snapshot of every
         # state to write; the states read so far, to commit at the end.
         self.values: dict[int, list] | None = values
@@ -452,7 +462,7 @@ def _read_state(f, index: StateIndex) -> StateIndex:
         if state is None:
             raise _Corrupt("the state this index shares was freed while loading")
         return eqx.tree_at(lambda i: i._handle, index, Handle.of(state))
-    if any(sid == storage.id for sid, _ in stream.records.values()):
+    if storage.id in stream.read:
         raise _Corrupt(
             "in `like` this index shares its state with an earlier one, but in the "
             "file they are different states. Build `like` as the saved model was "
@@ -480,6 +490,7 @@ def _read_state(f, index: StateIndex) -> StateIndex:
         for sub, ref in zip(subs, storage.refs, strict=True)
     ]
     stream.position = _tell(f)
+    stream.read.add(storage.id)
     if stream.staged is not None:
         stream.records[number] = (storage.id, None)
         stream.staged[storage.id] = (storage, leaves)
