@@ -155,7 +155,7 @@ def _worker(*args, env=None):
     )
 
 
-def _finish(procs, timeout=400):
+def _finish(procs, timeout=400) -> list[str]:
     logs = []
     try:
         for p in procs:
@@ -169,6 +169,7 @@ def _finish(procs, timeout=400):
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
         assert log.rstrip().endswith("OK"), log[-4000:]
+    return logs
 
 
 @pytest.mark.slow
@@ -177,14 +178,36 @@ def test_sharded_state_on_eight_devices(tmp_path):
     _finish([_worker("sharded", tmp_path / "run", env=env)])
 
 
-@pytest.mark.slow
-def test_two_processes_save_and_one_restores(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """Two processes, 4 devices each, train sharded state and save it with Orbax
+    (and then try to restore it themselves); their logs and the directory."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    directory = tmp_path / "run"
-    _finish([_worker("save", directory, f"127.0.0.1:{port}", 2, i) for i in range(2)])
+    directory = tmp_path_factory.mktemp("orbax") / "run"
+    address = f"127.0.0.1:{port}"
+    logs = _finish([_worker("save", directory, address, 2, i) for i in range(2)])
+    return directory, logs
+
+
+@pytest.mark.slow
+def test_two_processes_save_and_one_restores(two_process_run):
+    directory, _ = two_process_run
     _finish([_worker("restore", directory)])
+
+
+@pytest.mark.slow
+def test_two_processes_restore_in_place(two_process_run):
+    # Restoring in the two processes themselves, into their global sharding, needs
+    # `jaxstate._ops.commit` to place states across processes (it calls
+    # `jax.device_put`, which refuses shardings over other processes' devices).
+    # The worker checks the restored values when it gets that far.
+    _, logs = two_process_run
+    if any("LOAD ACROSS PROCESSES FAILED" in log for log in logs):
+        pytest.xfail("loading state across processes: _ops.commit uses device_put")
+    # Otherwise each worker checked the values it restored before printing "OK".
+    assert all(log.rstrip().endswith("OK") for log in logs)
 
 
 def test_the_example_in_the_docs(tmp_path, monkeypatch):

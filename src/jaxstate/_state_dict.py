@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree
 
 from ._index import StateIndex
@@ -242,9 +243,47 @@ def place(value: Any, like: Any) -> Any:
     sharding = getattr(like, "sharding", None)
     if sharding is None:
         return jnp.asarray(value)
-    if isinstance(value, jax.Array) and value.sharding == sharding:
-        return value
+    if isinstance(value, jax.Array):
+        if value.sharding == sharding:
+            return value
+        if sharding.is_fully_addressable or not value.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        if is_key_dtype(value.dtype):
+            data = to_host(value)
+            spec = getattr(sharding, "spec", None)
+            if spec is None:
+                raise ValueError(
+                    "PRNG keys can only be loaded across processes into keys placed "
+                    f"with a `NamedSharding`, not {sharding}."
+                )
+            # The key data's trailing axes are not split.
+            spec = (*spec, *(None,) * data.ndim)[: value.ndim]
+            tail = (None,) * (data.ndim - value.ndim)
+            data_sharding = NamedSharding(sharding.mesh, P(*spec, *tail))
+            return jax.random.wrap_key_data(
+                place(
+                    data,
+                    jax.ShapeDtypeStruct(
+                        data.shape, data.dtype, sharding=data_sharding
+                    ),
+                ),
+                impl=key_impl(value.dtype),
+            )
+        value = to_host(value)
+    if not sharding.is_fully_addressable:
+        # Across processes: each supplies its own devices' blocks of the full
+        # value, which every process holds (loaded from the same file).
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
     return jax.device_put(value, sharding)
+
+
+def _for_state(value: Any, ref: Any) -> Any:
+    # `commit` puts each value where the state's buffer is; across processes it
+    # needs a global array to start from.
+    if ref.sharding.is_fully_addressable:
+        return value
+    return place(value, ref)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -359,7 +398,7 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
                         "state (one state reached through two indices), but hold "
                         "different values. Give it once, under one of its names."
                     )
-            leaves.append(values[0] if values else None)
+            leaves.append(_for_state(values[0], ref) if values else None)
         if all(leaf is None for leaf in leaves):
             continue
         (partial if any(leaf is None for leaf in leaves) else new_states).append(
