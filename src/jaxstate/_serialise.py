@@ -7,6 +7,7 @@ import os
 import pathlib
 import tempfile
 import threading
+import weakref
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -355,7 +356,11 @@ class _Stream:
     )
 
     def __init__(self, f, values=None, staged=None):
-        self.f = f
+        # Weakly where possible: the thread keeps its last stream after the call.
+        try:
+            self.f = weakref.ref(f)
+        except TypeError:
+            self.f = lambda: f
         self.position = _tell(f)
         self.count = 0
         self.first: dict[int, int] = {}  # writing: storage id -> record number
@@ -383,13 +388,13 @@ def _stream(kind: str, f) -> _Stream:
     that call's; with Equinox's own functions, one per file object, started afresh
     when the file was rewound."""
     call = getattr(_local, "call", None)
-    if call is not None and call.f is f:
+    if call is not None and call.f() is f:
         return call
     stream = getattr(_local, kind, None)
     position = _tell(f)
     if (
         stream is None
-        or stream.f is not f
+        or stream.f() is not f
         or (position is not None and (stream.position or 0) > position)
     ):
         stream = _Stream(f)
