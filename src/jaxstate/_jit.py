@@ -14,7 +14,6 @@ out while it runs and defers interrupts until they are back (`_lock.py`).
 See docs/design.md, "jaxstate.jit".
 """
 
-import contextlib
 import functools
 import operator
 import threading
@@ -31,7 +30,7 @@ from jax.experimental import checkify
 from . import _jax
 from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
 from ._local import LocalRef
-from ._lock import checkout, critical, release
+from ._lock import checkout, enter_critical, exit_critical, release
 from ._storage import Handle, passed_in, Storage
 from ._vmap import is_eager
 
@@ -183,18 +182,22 @@ class _Compiled:
 
     def run(self, inputs, hide_warning: bool):
         """Calls the compiled program (tracing and compiling it first if needed)."""
+        if self.fresh:
+            with warnings.catch_warnings():
+                if hide_warning:
+                    warnings.filterwarnings("ignore", "Some donated buffers")
+                out = self._run(inputs)
+            self.fresh = False
+            return out
+        return self._run(inputs)
+
+    def _run(self, inputs):
         jitted = self.undonated() if _jax.debugging_nans() else self.jitted
-        with contextlib.ExitStack() as stack:
-            if self.fresh and hide_warning:
-                stack.enter_context(warnings.catch_warnings())
-                warnings.filterwarnings("ignore", "Some donated buffers")
-            try:
-                out = jitted(*inputs)
-            except _Undonate:
-                self.stop_donating()
-                out = self.jitted(*inputs)
-        self.fresh = False
-        return out
+        try:
+            return jitted(*inputs)
+        except _Undonate:
+            self.stop_donating()
+            return self.jitted(*inputs)
 
 
 class _JitWrapper:
@@ -293,7 +296,8 @@ class _JitWrapper:
         ids, impls = call.ids, call.impls
         checkout(ids)
         try:
-            with critical():
+            opened = enter_critical()
+            try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 compiled.passed = call.storages
                 try:
@@ -304,6 +308,8 @@ class _JitWrapper:
                     compiled.passed = []
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
+            finally:
+                exit_critical(opened)
         finally:
             release(ids)
         return self._rebuild_outputs(compiled, call, out_arrays, static)
@@ -391,11 +397,14 @@ class AotCompiled:
         ids, impls = call.ids, call.impls
         checkout(ids)
         try:
-            with critical():
+            opened = enter_critical()
+            try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 out_arrays, static, new_bufs = self._executable(*inputs)
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
+            finally:
+                exit_critical(opened)
         finally:
             release(ids)
         return wrapper._rebuild_outputs(compiled, call, out_arrays, static)
