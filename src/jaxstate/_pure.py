@@ -104,8 +104,9 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
     A pair `(pure_fun, state)`. `state` is the current state, read consistently
     (as [`jaxstate.state_dict`][] reads it): a dict from the name of each distinct
     state (the path of the first index in `tree` that reaches it) to its value
-    (stacked, for state set under vmap). `pure_fun(state, *args, **kwargs)` runs `fun(*args, **kwargs)` with the
-    state taken from its `state` argument instead of from the device, and returns
+    (stacked, for state set under vmap). `pure_fun(state, *args, **kwargs)` runs
+    `fun(*args, **kwargs)` with the state taken from its `state` argument instead
+    of from the device, and returns
     `(out, new_state)`, leaving the stored state alone. It can be jitted, exported
     with `jax.export`, differentiated, `pmap`ped.
 
