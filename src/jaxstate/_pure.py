@@ -106,9 +106,9 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
     state (the path of the first index in `tree` that reaches it) to its value
     (stacked, for state set under vmap). `pure_fun(state, *args, **kwargs)` runs
     `fun(*args, **kwargs)` with the state taken from its `state` argument instead
-    of from the device, and returns
-    `(out, new_state)`, leaving the stored state alone. It can be jitted, exported
-    with `jax.export`, differentiated, `pmap`ped.
+    of from the device, and returns `(out, new_state)`, leaving the stored state
+    alone. It can be jitted, exported with `jax.export`, differentiated,
+    `pmap`ped.
 
     **Raises:**
 
