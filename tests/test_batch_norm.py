@@ -574,7 +574,7 @@ def test_defaults():
     assert bn.first_time is None and bn.ema_state is None
     mean, var = _stats(bn)[0]
     np.testing.assert_array_equal(mean, np.zeros(C))
-    np.testing.assert_array_equal(var, np.zeros(C))
+    np.testing.assert_array_equal(var, np.ones(C))
     # Untrained, inference is the identity (up to eps), as in the other modes.
     x = _data(0, _shape(True))
     out = _ours_fn(jaxstate.tree_inference(bn, True), x)

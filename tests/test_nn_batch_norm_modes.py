@@ -89,6 +89,11 @@ def test_rule(mode, momentum, jit):
         np.testing.assert_allclose(train(bn, x), expected, rtol=1e-4, atol=1e-4)
         seen.append((batch_mean, batch_var))
     assert bn.counter is not None and int(bn.counter.unsafe_get()) == 5
+    if mode != "batch":
+        # The state holds what inference uses (a checkpoint shows it as it is).
+        assert bn.batch_state is not None
+        for a, b in zip(bn.batch_state.unsafe_get(), bn.running_statistics()):
+            np.testing.assert_array_equal(a, b)
     # The rules really differ (so the comparisons above are not vacuous).
     others = {m: _rule(m, momentum, seen)[1] for m in ["debiased", "batch", "flax"]}
     assert len({tuple(np.round(v, 4)) for v in others.values()}) == 3
@@ -135,6 +140,48 @@ def test_flax_mode_is_nnx_batch_norm():
             theirs(x, use_running_average=True),
             **TOL,
         )
+
+
+def test_debiased_mode_is_haiku_batch_norm():
+    hk = pytest.importorskip("haiku")
+    momentum = 0.9
+
+    def forward(x, is_training):
+        bn = hk.BatchNorm(False, False, decay_rate=momentum, eps=1e-5)
+        return bn(x, is_training=is_training)
+
+    theirs = hk.transform_with_state(forward)
+    channels_last = lambda x: np.moveaxis(x, 1, -1)
+    params, state = theirs.init(None, channels_last(_data(0)), True)
+    ours = jaxstate.nn.BatchNorm(
+        C, "batch", momentum=momentum, mode="debiased", channelwise_affine=False
+    )
+    for step in range(4):
+        x = _data(step)
+        y, state = theirs.apply(params, state, None, channels_last(x), True)
+        np.testing.assert_allclose(channels_last(_train(ours, x)), y, **TOL)
+        x = _data(10 + step)
+        y, _ = theirs.apply(params, state, None, channels_last(x), False)
+        out = _train(jaxstate.tree_inference(ours, True), x)
+        np.testing.assert_allclose(channels_last(out), y, rtol=1e-4, atol=1e-4)
+
+
+def test_statistics_loaded_from_elsewhere_are_used_as_they_are():
+    # E.g. PyTorch's running_mean / running_var, with the step counter at 0: used
+    # as they are in inference by "debiased" and "flax" (Equinox's "batch" divides
+    # them by `1 - momentum**counter`).
+    mean, var = (
+        np.array([1.0, 2.0, 3.0], np.float32),
+        np.array([4, 1, 0.25], np.float32),
+    )
+    x = _data(0)
+    for mode in ["debiased", "flax"]:
+        bn = jaxstate.nn.BatchNorm(C, "batch", mode=mode)
+        assert bn.batch_state is not None
+        bn.batch_state.unsafe_set((mean, var))
+        out = _train(jaxstate.tree_inference(bn, True), x)
+        expected = (x - mean[:, None]) / np.sqrt(var[:, None] + 1e-5)
+        np.testing.assert_allclose(out, expected, **TOL)
 
 
 #

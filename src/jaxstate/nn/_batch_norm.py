@@ -43,10 +43,11 @@ class BatchNorm(eqx.Module):
     and keep an exponential moving average (EMA) of them for inference; they differ
     only in what inference normalises with (docs/layers.md compares them):
 
-    - `mode="debiased"` (the default): the EMA started at zero and divided by
-      `1 - momentum**steps`, which is exactly the weighted average of the batch
-      statistics seen so far. Haiku's rule (`hk.BatchNorm`). Measured on a small
-      CNN, the most accurate of the four in inference early in training.
+    - `mode="debiased"` (the default): the weighted average of the batch statistics
+      seen so far, with weight `momentum**age`; the same as an EMA started at zero
+      and divided by `1 - momentum**steps`, Haiku's rule (`hk.BatchNorm`). The
+      state holds the average itself. Measured on a small CNN, the most accurate
+      of the four in inference early in training.
     - `mode="batch"`: `equinox.nn.BatchNorm(mode="batch")`, number for number: the
       variance's EMA starts at 1 and is divided by `1 - momentum**steps` too, which
       inflates it early in training.
@@ -144,12 +145,10 @@ class BatchNorm(eqx.Module):
             self.ema_state = StateIndex(init=(zeros, zeros))
             self.counter = self.batch_state = None
         else:
-            # "debiased" starts both averages at zero: the division by
-            # `1 - momentum**steps` then gives the weighted average of the batch
-            # statistics exactly. The others start the variance at one.
+            # Mean 0 and variance 1: inference before any training is the
+            # identity (up to `eps`). "debiased" replaces them at the first step.
             self.counter = StateIndex(init=jnp.array(0, jnp.int32))
-            var = zeros if mode == "debiased" else ones
-            self.batch_state = StateIndex(init=(zeros, var))
+            self.batch_state = StateIndex(init=(zeros, ones))
             self.first_time = self.ema_state = None
         self.inference = inference
         self.axis_name = axis_name
@@ -160,15 +159,11 @@ class BatchNorm(eqx.Module):
         self.mode = mode
 
     def _inference_statistics(self, counter, hidden_mean, hidden_var):
-        if self.mode == "flax":
+        if self.mode != "batch":
             return hidden_mean, hidden_var
-        # `jnp.where` first: before any training the statistics are mean 0 and
-        # variance 1 (the identity, up to `eps`), and nothing divides by zero.
+        # Equinox's: zero-debiased, though the variance's EMA starts at one.
         scale = jnp.where(counter == 0, 1, 1 - self.momentum**counter)
-        mean, var = hidden_mean / scale, hidden_var / scale
-        if self.mode == "debiased":
-            var = jnp.where(counter == 0, jnp.ones_like(var), var)
-        return mean, var
+        return hidden_mean / scale, hidden_var / scale
 
     def running_statistics(
         self,
@@ -279,11 +274,22 @@ class BatchNorm(eqx.Module):
             else:
                 mean, var = jax.vmap(stats)(xs)
                 m = self.momentum
+                if self.mode == "debiased":
+                    # The weighted average, updated: the newest batch's weight
+                    # among `counter + 1` is `(1 - m) / (1 - m**(counter + 1))`
+                    # (1 at the first step, `1 - m` in the long run).
+                    w = (1 - m) / (1 - m ** (counter + 1))
+                    new = (
+                        stored_mean + w * (mean - stored_mean),
+                        stored_var + w * (var - stored_var),
+                    )
+                else:
+                    new = (
+                        stored_mean * m + mean * (1 - m),
+                        stored_var * m + var * (1 - m),
+                    )
                 # As above: the write that can fail first, the counter after it.
-                store(
-                    self.batch_state,
-                    (stored_mean * m + mean * (1 - m), stored_var * m + var * (1 - m)),
-                )
+                store(self.batch_state, new)
                 set_state(_writable(self.counter), counter + 1)
 
         def norm(y, m, v, w, b):
