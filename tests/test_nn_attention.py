@@ -386,9 +386,9 @@ def test_bad_construction(wrong_type_raises):
         KVCache(0, 2, 3)
     with pytest.raises(ValueError, match="batch_size"):
         KVCache(4, 2, 3, batch_size=0)
-    with pytest.raises(ValueError, match="on_overflow"):
+    with wrong_type_raises(ValueError, match="on_overflow"):
         KVCache(4, 2, 3, on_overflow="wrap")  # pyright: ignore
-    with pytest.raises(ValueError, match="on_overflow"):
+    with wrong_type_raises(ValueError, match="on_overflow"):
         CachedSelfAttention(
             eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0)),
             4,

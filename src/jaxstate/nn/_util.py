@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 from jaxtyping import PyTree
 
 from .._flag import flag_value
@@ -20,18 +21,25 @@ from .._vmap import is_eager, only_eager_vmaps, vmap_sizes
 AxisName = Hashable | Sequence[Hashable]
 
 # Packages whose frames a warning skips, to point at the user's line: jaxstate's,
-# and Equinox's (an `eqx.Module`'s `__init__` runs inside its metaclass).
-_INTERNAL = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (os.path.dirname(__file__), eqx.__file__)
-    if path is not None
+# Equinox's (an `eqx.Module`'s `__init__` runs inside its metaclass) and
+# jaxtyping's (its run-time checks wrap functions).
+_JAXTYPING = os.path.dirname(jaxtyping.__file__ or "") + os.sep
+_INTERNAL = (
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,
+    os.path.dirname(eqx.__file__ or "") + os.sep,
+    _JAXTYPING,
 )
 
 
 def user_stacklevel() -> int:
-    """The `stacklevel` for `warnings.warn` that names the first caller outside
-    jaxstate and Equinox (so that Python shows the warning once per user line)."""
-    frame, level = sys._getframe(1), 1
+    """The `stacklevel` for a `warnings.warn` in the calling function that names
+    the first caller outside jaxstate and Equinox (so that Python shows the warning
+    once per user line)."""
+    frame = sys._getframe(1)
+    # The function that will warn: past a type-checking wrapper around this one.
+    while frame is not None and frame.f_code.co_filename.startswith(_JAXTYPING):
+        frame = frame.f_back
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
