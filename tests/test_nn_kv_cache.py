@@ -227,7 +227,7 @@ def test_resize_inside_jit_for_each_batch(jit):
     assert int(MODEL.layers[0].cache.length()) == 0
 
 
-@pytest.mark.parametrize("jit", ["eqx.filter_jit", "jaxstate.jit"])
+@pytest.mark.parametrize("jit", JITS)
 def test_resized_model_returned_from_jit(jit):
     model = LM(jax.random.key(5))
 
