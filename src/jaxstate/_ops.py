@@ -110,7 +110,9 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     else:
         _check_not_in_shard_map(index, storage, traced_for(), fn)
         if storage.real is None:
-            note_reference_path(stacklevel=4)  # user -> set_state -> _set -> here
+            note_reference_path(
+                storage, stacklevel=4
+            )  # user -> set_state -> _set -> here
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -214,7 +216,7 @@ def get_state(
     enclosing = traced_for()
     _check_not_in_shard_map(index, storage, enclosing, "get_state")
     if storage.real is None:
-        note_reference_path(stacklevel=3)  # user -> get_state -> here
+        note_reference_path(storage, stacklevel=3)  # user -> get_state -> here
     if "while_cond" in enclosing:
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
