@@ -403,7 +403,7 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
     rest = pieces.get("total")
     if rest is not None:
         inline = [
-            (P.LOCK, "the state lock"),
+            (P.LOCK, "holding the states (checkout, critical section, release)"),
             (P.READ_BUFS, f"reading the {counts.get(P.N_BUFS, 0)} state buffers"),
             (P.WRITE_BACK, "the write-back loop"),
             (P.UNFLATTEN, "the output `tree_unflatten`"),

@@ -1,12 +1,13 @@
 """S2, compute-bound: the digits CNN training step of examples/train_digits.py
 (conv-BN-relu, conv-BN-relu, max pool, dropout, linear; Adam), batch 128.
 
-The jaxstate variants run the example's own `CNN` and `train_step` (compiled three
-ways); the hand-threaded baseline and `eqx.nn.State` rebuild the same network from
-the same layers with the BatchNorm statistics and the dropout key and counter
-threaded through the step (`eqx.nn.Dropout` with the key the jaxstate layer's
-stream gives: the same masks). Four fixed batches of the digits training set are
-cycled through, the same for every variant.
+The jaxstate variants run the example's own `CNN` (with Equinox's BatchNorm rule,
+`bn_mode="batch"`, so that every variant stores the same statistics) and
+`train_step` (compiled three ways); the hand-threaded baseline and `eqx.nn.State`
+rebuild the same network from the same layers with the BatchNorm statistics and
+the dropout key and counter threaded through the step (`eqx.nn.Dropout` with the
+key the jaxstate layer's stream gives: the same masks). Four fixed batches of the
+digits training set are cycled through, the same for every variant.
 """
 
 import importlib.util
@@ -154,7 +155,7 @@ class EqxCNN(eqx.Module):
 
 
 def _cnn(ex):
-    return on_device(ex.CNN(jax.random.key(0), momentum=MOMENTUM))
+    return on_device(ex.CNN(jax.random.key(0), momentum=MOMENTUM, bn_mode="batch"))
 
 
 def _js_variant(ex, batches, name, wrap):

@@ -8,7 +8,8 @@ updates the running accuracy and mean loss. Flax runs `nnx.BatchNorm`,
 metrics passed in and updated in place), and, where Flax has them, with its
 "hijax" variables (`nnx.var_defaults(hijax=True)`) under plain `jax.jit`. The
 jaxstate variants run the same network built from Equinox layers with
-`jaxstate.nn.BatchNorm`, `jaxstate.nn.Dropout` and `jaxstate.nn.Accuracy`/`Mean`,
+`jaxstate.nn.BatchNorm(mode="flax")`, `jaxstate.nn.Dropout` and
+`jaxstate.nn.Accuracy`/`Mean`,
 compiled three ways; the hand-threaded baseline passes the statistics, the dropout
 key and counter and the metric sums in and out of `jax.jit` (donated). Every
 variant starts from the Flax model's weights (converted to Equinox's layout) and
@@ -192,7 +193,7 @@ class JSCNN(eqx.Module):
     linear2: eqx.nn.Linear
 
     def __init__(self, w):
-        bn = dict(axis_name="batch", momentum=MOMENTUM)
+        bn = dict(axis_name="batch", momentum=MOMENTUM, mode="flax")
         self.conv1 = _conv(1, 16, w["conv1"])
         self.bn1 = jaxstate.nn.BatchNorm(16, **bn)
         self.conv2 = _conv(16, 32, w["conv2"])

@@ -55,7 +55,7 @@ class JSModel(eqx.Module):
 
     def __init__(self):
         k1, k2, k3, k4 = _keys()
-        bn = dict(axis_name="batch", momentum=MOMENTUM)
+        bn = dict(axis_name="batch", momentum=MOMENTUM, mode="batch")
         self.norm1 = jaxstate.nn.BatchNorm(3, **bn)
         self.spectral_linear = jaxstate.nn.SpectralNorm(
             eqx.nn.Linear(3, 32, key=k1), "weight", key=k2
