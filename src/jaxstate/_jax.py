@@ -65,6 +65,11 @@ def eval_trace() -> Any:
     return _core.eval_trace
 
 
+def is_eager() -> bool:
+    """Whether the current trace is eager code's (on every `jaxstate.jit` call)."""
+    return type(_core.trace_ctx.trace) is _core.EvalTrace
+
+
 def is_eval_trace(trace: Any) -> bool:
     return isinstance(trace, _core.EvalTrace)
 

@@ -86,6 +86,10 @@ def _calls_back(eqns) -> bool:
     return False
 
 
+class _Tracing(threading.local):
+    storages: Any = ()
+
+
 class _Undonate(Exception):
     """Stops tracing the donating program of a function that can fail while it
     runs: it is compiled again with its state undonated."""
@@ -104,7 +108,7 @@ class _Compiled:
         self.donating = True
         self._undonated = None
         # The real storages of the call being traced, per thread (see `passed`).
-        self._tracing = threading.local()
+        self._tracing = _Tracing()
         # Until the first call has compiled, hide JAX's warning about donated
         # buffers it could not reuse (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
@@ -114,7 +118,7 @@ class _Compiled:
 
     @property
     def passed(self) -> list[Storage]:
-        return getattr(self._tracing, "storages", [])
+        return self._tracing.storages
 
     @passed.setter
     def passed(self, storages: list[Storage]) -> None:
@@ -294,19 +298,26 @@ class _JitWrapper:
             compiled, call, kept, donated = self._prepare(args, kwargs)
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
-        ids, impls = call.ids, call.impls
+        ids, impls, tracing = call.ids, call.impls, compiled._tracing
         checkout(ids)
         try:
             opened = enter_critical()
             try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
-                compiled.passed = call.storages
+                # What a trace, if JAX starts one, needs to know (see `_inner`).
+                tracing.storages = call.storages
                 try:
-                    out_arrays, static, new_bufs = compiled.run(
-                        inputs, self.hide_warning
-                    )
+                    if compiled.fresh or _jax.debugging_nans():
+                        out = compiled.run(inputs, self.hide_warning)
+                    else:
+                        try:
+                            out = compiled.jitted(*inputs)
+                        except _Undonate:  # a new program for new shapes
+                            compiled.stop_donating()
+                            out = compiled.jitted(*inputs)
                 finally:
-                    compiled.passed = []
+                    tracing.storages = ()
+                out_arrays, static, new_bufs = out
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
             finally:

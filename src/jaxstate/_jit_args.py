@@ -17,6 +17,7 @@ See docs/design.md, "jaxstate.jit".
 import dataclasses
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -175,7 +176,7 @@ class Part:
             [s.id for s in storages if is_set(s)] if ids is None else ids
         )
         # The storages of indices held in static fields.
-        self.statics: list[Storage] = list(statics)
+        self.statics: Sequence[Storage] = statics
 
 
 def analyse(tree) -> Part:
@@ -240,10 +241,13 @@ class Call:
     def __init__(self, parts: list, memo: "Memo"):
         self.parts = parts
         arrays, keys, stateful, n_stateful = [], [], _EMPTY_DICT, 0
+        statics: Sequence[Storage] = []
         for p in parts:  # (one plain loop: this runs on every call)
             if type(p) is Part:
                 arrays += p.arrays
                 keys.append(p.key)
+                if p.statics:
+                    statics = [*statics, *p.statics]
                 if p.storages:
                     stateful = p
                     n_stateful += 1
@@ -251,7 +255,7 @@ class Call:
                 arrays.append(p)
                 keys.append(_ARRAY_KEY)
         self.arrays = arrays
-        self.statics = [s for p in parts if type(p) is Part for s in p.statics]
+        self.statics = statics
         if n_stateful <= 1:
             # Local slot numbers are the call's: nothing to renumber.
             self.key = tuple(keys)
@@ -514,7 +518,9 @@ class Memo:
         return part
 
     def remember(self, tree, part: Part) -> None:
-        if isinstance(tree, tuple):
+        # (`issubclass` of the type: `isinstance` on a module goes through
+        # Equinox's `__getattribute__`.)
+        if issubclass(type(tree), tuple):
             # Tuples cannot be weakly referenced: held until the next call.
             self.used[id(tree)] = (_Held(tree), part)
         else:

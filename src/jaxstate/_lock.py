@@ -87,8 +87,15 @@ def release(ids: Iterable[int]) -> None:
 # otherwise hands it to the handler it replaced.
 #
 
-_local = threading.local()
+
+class _Section(threading.local):
+    depth = 0  # open critical sections in this thread
+    deferred: Any = None  # an interrupt that came during them
+
+
+_local = _Section()
 _main = threading.main_thread().ident
+_get_ident = threading.get_ident
 
 
 class _Deferring:
@@ -98,7 +105,7 @@ class _Deferring:
         self.previous = previous
 
     def __call__(self, signum, frame):
-        if getattr(_local, "depth", 0):
+        if _local.depth:
             _local.deferred = (signum, frame)
             return
         return self.previous(signum, frame)
@@ -121,9 +128,11 @@ def _install() -> bool:
 def enter_critical() -> bool:
     """Opens a critical section; pass what it returns to `exit_critical`. (The
     pair, rather than `critical()`, on the hot path of `jaxstate.jit`.)"""
-    if threading.get_ident() != _main or not _install():
+    if _get_ident() != _main:
         return False
-    _local.depth = getattr(_local, "depth", 0) + 1
+    if type(_signal.getsignal(signal.SIGINT)) is not _Deferring and not _install():
+        return False
+    _local.depth += 1
     return True
 
 
@@ -132,7 +141,7 @@ def exit_critical(opened: bool) -> None:
     if not opened:
         return
     _local.depth -= 1
-    deferred = getattr(_local, "deferred", None)
+    deferred = _local.deferred
     if deferred is not None and _local.depth == 0:
         _local.deferred = None
         handler = _signal.getsignal(signal.SIGINT)

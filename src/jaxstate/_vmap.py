@@ -236,5 +236,4 @@ def traced_for() -> set[str]:
     return {n for n in names if n is not None}
 
 
-def is_eager() -> bool:
-    return _jax.is_eval_trace(_jax.current_trace())
+is_eager = _jax.is_eager
