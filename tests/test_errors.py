@@ -134,3 +134,31 @@ def test_stale_tree_metadata_after_the_model_is_gone():
     stale = jtu.tree_unflatten(treedef, leaves)
     with pytest.raises(RuntimeError, match="freed"):
         jaxstate.get_state(stale.index)
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [jnp.zeros(3), jnp.array(5), jnp.array(True), 1, "yes", None],
+    ids=["array", "int-array", "bool-array", "int", "str", "None"],
+)
+def test_index_flag_that_is_not_a_bool(flag, wrong_type_raises):
+    # `eqx.nn.StateIndex(init)` takes the initial value positionally; here the first
+    # argument is the flag, so a value there must not silently become one.
+    with wrong_type_raises(TypeError, match="StateIndex\\(init=value\\)"):
+        jaxstate.StateIndex(flag)
+
+
+def test_bad_state_values_name_the_problem():
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+    key = jaxstate.StateIndex(init=jax.random.key(0))
+    with pytest.raises(RuntimeError, match="key<fry>\\[\\].*float32\\[2\\]"):
+        jaxstate.set_state(index, jax.random.key(1))
+    with pytest.raises(RuntimeError, match="float32\\[\\].*key<fry>\\[\\]"):
+        jaxstate.set_state(key, jnp.zeros(()))
+    with pytest.raises(TypeError, match="ShapeDtypeStruct.*no value"):
+        jaxstate.set_state(index, jax.ShapeDtypeStruct((2,), jnp.float32))
+    with pytest.raises(TypeError, match="jax.Ref.*`ref\\[...\\]`"):
+        jaxstate.set_state(index, jax.new_ref(jnp.zeros(2)))
+    with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+        jaxstate.StateIndex(init=jax.ShapeDtypeStruct((2,), jnp.float32))
+    np.testing.assert_array_equal(index.unsafe_get(), [0.0, 0.0])

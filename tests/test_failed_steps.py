@@ -490,3 +490,25 @@ def test_runtime_error_keeps_the_state(compiler, how):
     with pytest.raises(Exception, match="x must not be negative"):
         step(jnp.asarray(-1.0))
     _readable_and_one_of(index, [1.0, 1.0], [2.0, 2.0])
+
+
+def test_donation_is_chosen_per_compiled_program():
+    """A retrace for new shapes that adds a run-time check (here only for inputs of
+    more than 2 elements) must pass the state undonated, although the program
+    traced first for the same structure could not fail and donated it."""
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+
+    def step(index, x):
+        jaxstate.set_state(index, jaxstate.get_state(index) + 1)
+        if x.shape[0] > 2:
+            x = eqx.error_if(x, x < 0, "x must not be negative")
+        return x
+
+    compiled = jaxstate.jit(step)
+    compiled(index, jnp.ones(2))  # donating: no callback in this program
+    compiled(index, jnp.ones(3))  # the checked program, undonated
+    with pytest.raises(Exception, match="x must not be negative"):
+        compiled(index, -jnp.ones(3))
+    _readable_and_one_of(index, [2.0, 2.0], [3.0, 3.0])
+    compiled(index, jnp.ones(2))  # the unchecked program still works
+    _readable_and_one_of(index, [3.0, 3.0], [4.0, 4.0])

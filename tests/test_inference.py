@@ -124,3 +124,31 @@ def test_inference_reads_carry_no_gradient():
     assert jax.grad(lambda x: frozen(x))(1.0) == 4.0
     # The model's state is not a leaf, so there is nothing to differentiate.
     assert jax.tree_util.tree_leaves(jax.grad(lambda m: m(1.0))(frozen)) == []
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        pytest.param(lambda f: jit(f)(), id="jit"),
+        pytest.param(lambda f: jax.vmap(lambda _: f())(jnp.zeros(2)), id="vmap"),
+        pytest.param(lambda f: jax.grad(lambda x: (f(), x)[1])(1.0), id="grad"),
+    ],
+)
+def test_tree_inference_inside_a_transform_raises(transform):
+    # The seed calls a flag change inside a trace undefined behaviour, and its tests
+    # assert a raise; the message says to switch outside.
+    model = Scale()
+    with pytest.raises(RuntimeError, match="switch them outside"):
+        transform(lambda: jaxstate.tree_inference(model, True))
+    with pytest.raises(RuntimeError, match="switch them outside"):
+        transform(lambda: jaxstate.tree_inference(eqx.nn.Dropout(), True))
+    assert not model.factor.inference
+
+
+def test_layers_in_inference_mode_still_write_their_streams_inside_jit():
+    # Streams and metrics write in inference mode through a training-mode view of
+    # their index, not through `tree_inference` (which refuses inside a trace).
+    stream = jaxstate.tree_inference(jaxstate.nn.RNGStream(0), True)
+    first = jit(lambda s: jax.random.key_data(s()))(stream)
+    second = jit(lambda s: jax.random.key_data(s()))(stream)
+    assert not jnp.array_equal(first, second)

@@ -17,6 +17,7 @@ from ._serialise import (
     serialise_filter_spec as serialise_filter_spec,
 )
 from ._shard_map import device_put as device_put, shard_map as shard_map
+from ._slow import SlowPathWarning as SlowPathWarning
 from ._state_dict import load_state_dict as load_state_dict, state_dict as state_dict
 
 

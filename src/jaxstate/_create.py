@@ -107,8 +107,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
         stacked = [stack_eager(x) for x in leaves]
         batch_shape = vmap_sizes()
         avals = tuple(
-            _jax.ShapedArray(jnp.shape(x)[len(batch_shape) :], x.dtype)
-            for x in stacked
+            _jax.ShapedArray(jnp.shape(x)[len(batch_shape) :], x.dtype) for x in stacked
         )
         with _jax.set_current_trace(_jax.eval_trace()):
             if target.pending is not None and _matches(
@@ -159,6 +158,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
     pending = Pending(flag, root_trace())
     with exclusive([target]):
         _install(target, refs, treedef, avals, batch_shape, pending)
+        target.traced = True
     if storage is not target:
         # A stand-in inside `jaxstate.jit`: it writes the real references directly.
         _install(storage, refs, treedef, avals, batch_shape, pending)
@@ -174,4 +174,3 @@ def describe_unset(storage: Storage) -> str:
             "(`jax.eval_shape`, `make_jaxpr`) or failed."
         )
     return ""
-

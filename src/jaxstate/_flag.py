@@ -41,6 +41,16 @@ class Flag:
     def __setattr__(self, name: str, value: Any):
         raise AttributeError("Flag is immutable.")
 
+    # Immutable: copies are the flag itself; pickles rebuild it.
+    def __copy__(self) -> "Flag":
+        return self
+
+    def __deepcopy__(self, memo) -> "Flag":
+        return self
+
+    def __reduce__(self):
+        return (Flag, (self.value,))
+
 
 jtu.register_pytree_node(
     Flag,

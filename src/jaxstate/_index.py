@@ -2,9 +2,10 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
+import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._flag import flag_value, to_flag
+from ._flag import Flag, flag_value, to_flag
 from ._storage import Handle
 
 
@@ -68,6 +69,14 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         As [`jaxstate.set_state`][], for a bad `init`.
         """
+        if not isinstance(inference, (bool, np.bool_, Flag)):
+            raise TypeError(
+                "`StateIndex`'s first argument is the `inference` flag, a bool, but "
+                f"it got {type(inference).__name__} ({inference!r:.40}). To give the "
+                "state its initial value, pass it by keyword: "
+                "`StateIndex(init=value)` (Equinox's `eqx.nn.StateIndex(value)` "
+                "takes it positionally)."
+            )
         self._handle = Handle.new()
         self.inference = inference
         if init is not None:
@@ -123,6 +132,15 @@ class StateIndex(eqx.Module, Generic[_T]):
             # raises the explanation.
             inference = self.inference
         return f"StateIndex(inference={inference!r}, {what})"
+
+
+def with_inference(index: StateIndex, value: bool) -> StateIndex:
+    """A copy of `index` (same state) with its flag set: for layers that write
+    state in inference mode, inside traces (where `tree_inference` refuses)."""
+    new = object.__new__(StateIndex)
+    object.__setattr__(new, "_handle", index._handle)
+    object.__setattr__(new, "inference", Flag(value))
+    return new
 
 
 def _check_index(index: Any, fn: str) -> None:

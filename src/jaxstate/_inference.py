@@ -3,6 +3,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._flag import Flag
+from ._vmap import is_eager
 
 
 def _has_inference(x) -> bool:
@@ -38,12 +39,25 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
 
     A copy of `pytree`. Switching modes costs at most one recompile per mode.
 
+    **Raises:**
+
+    `RuntimeError` if called inside `jit`, `vmap`, `grad` or another transform:
+    switch modes outside, and pass the switched model in.
+
     !!! example
 
         ```python
         eval_model = jaxstate.tree_inference(model, True)
         ```
     """
+    if not is_eager():
+        raise RuntimeError(
+            "`jaxstate.tree_inference` was called inside jit, vmap, grad or another "
+            "transform. Inference flags are part of the compiled program, so switch "
+            "them outside: `eval_model = jaxstate.tree_inference(model, True)`, then "
+            "pass `eval_model` to the compiled function. (Inside a layer, pass "
+            "`inference=True` to its call instead, where the layer takes it.)"
+        )
     owners = _owners(pytree)
     ours = [o for o in owners if _is_jaxstate(o)]
     theirs = [o for o in owners if not _is_jaxstate(o)]

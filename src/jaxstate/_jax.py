@@ -97,6 +97,12 @@ def traced_for(trace: Any) -> str | None:
     return getattr(getattr(frame, "debug_info", None), "traced_for", None)
 
 
+def function_name(trace: Any) -> str | None:
+    """`"name at file:line"` of the function a tracing trace is tracing."""
+    frame = getattr(trace, "frame", None)
+    return getattr(getattr(frame, "debug_info", None), "func_src_info", None)
+
+
 #
 # Primitives of jaxstate's own, with batching, JVP and lowering rules. Assumed: a
 # "fancy" batching rule `rule(axis_data, vals, dims, **params)` is called with the

@@ -14,7 +14,6 @@ out while it runs and defers interrupts until they are back (`_lock.py`).
 See docs/design.md, "jaxstate.jit".
 """
 
-import contextlib
 import functools
 import operator
 import threading
@@ -29,10 +28,10 @@ import jax.tree_util as jtu
 from jax.experimental import checkify
 
 from . import _jax
-from ._jit_args import ARRAY, Call, is_slot, is_static_slot, Memo, OutPart
+from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
 from ._local import LocalRef
-from ._lock import checkout, critical, release
-from ._storage import Handle, passed_in, redirected, Storage
+from ._lock import checkout, enter_critical, exit_critical, release
+from ._storage import Handle, passed_in, Storage
 from ._vmap import is_eager
 
 
@@ -56,9 +55,7 @@ jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(
 def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
-        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s
-        for s in spec
-        if not is_static_slot(s)
+        next(it) if s is ARRAY else handles[s[1]] if is_slot(s) else s for s in spec
     ]
 
 
@@ -100,13 +97,7 @@ class _Compiled:
     def __init__(self, wrapper: "_JitWrapper", key):
         self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
         # The signature id of each slot, for the parts of returned modules.
-        self.slot_sigs = {
-            s[1]: s[2]
-            for _, spec in key
-            for s in spec
-            if is_slot(s) or is_static_slot(s)
-        }
-        self.static_slots = [s[1] for _, spec in key for s in spec if is_static_slot(s)]
+        self.slot_sigs = {s[1]: s[2] for _, spec in key for s in spec if is_slot(s)}
         self.jitkwargs = wrapper.jitkwargs
         # Arguments: (kept arrays, donated arrays, state buffers, unused).
         self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **self.jitkwargs)
@@ -162,10 +153,7 @@ class _Compiled:
             jtu.tree_unflatten(treedef, _rebuild(spec, it, handles))
             for treedef, spec in self.key
         ]
-        # Indices in static fields are part of the tree structure: they reach their
-        # stand-ins through `resolve`.
-        statics = {self.passed[s].id: proxies[s] for s in self.static_slots}
-        with passed_in(self.passed), redirected(statics):
+        with passed_in(self.passed):
             out = fun(*args, **kwargs)
         if any(p.pending is not None for p in proxies):
             self.created = True
@@ -194,18 +182,22 @@ class _Compiled:
 
     def run(self, inputs, hide_warning: bool):
         """Calls the compiled program (tracing and compiling it first if needed)."""
+        if self.fresh:
+            with warnings.catch_warnings():
+                if hide_warning:
+                    warnings.filterwarnings("ignore", "Some donated buffers")
+                out = self._run(inputs)
+            self.fresh = False
+            return out
+        return self._run(inputs)
+
+    def _run(self, inputs):
         jitted = self.undonated() if _jax.debugging_nans() else self.jitted
-        with contextlib.ExitStack() as stack:
-            if self.fresh and hide_warning:
-                stack.enter_context(warnings.catch_warnings())
-                warnings.filterwarnings("ignore", "Some donated buffers")
-            try:
-                out = jitted(*inputs)
-            except _Undonate:
-                self.stop_donating()
-                out = self.jitted(*inputs)
-        self.fresh = False
-        return out
+        try:
+            return jitted(*inputs)
+        except _Undonate:
+            self.stop_donating()
+            return self.jitted(*inputs)
 
 
 class _JitWrapper:
@@ -304,7 +296,8 @@ class _JitWrapper:
         ids, impls = call.ids, call.impls
         checkout(ids)
         try:
-            with critical():
+            opened = enter_critical()
+            try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 compiled.passed = call.storages
                 try:
@@ -315,6 +308,8 @@ class _JitWrapper:
                     compiled.passed = []
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
+            finally:
+                exit_critical(opened)
         finally:
             release(ids)
         return self._rebuild_outputs(compiled, call, out_arrays, static)
@@ -402,11 +397,14 @@ class AotCompiled:
         ids, impls = call.ids, call.impls
         checkout(ids)
         try:
-            with critical():
+            opened = enter_critical()
+            try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 out_arrays, static, new_bufs = self._executable(*inputs)
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
+            finally:
+                exit_critical(opened)
         finally:
             release(ids)
         return wrapper._rebuild_outputs(compiled, call, out_arrays, static)

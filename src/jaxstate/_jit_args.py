@@ -33,7 +33,6 @@ from ._storage import Handle, Storage
 ARRAY = object()
 HANDLE = object()
 INDEX = object()
-STATIC = object()
 
 _ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
@@ -57,12 +56,6 @@ def is_leaf(x) -> bool:
 def is_slot(s) -> bool:
     """Whether a spec entry stands for a state (rather than an array or a static)."""
     return type(s) is tuple and len(s) == 3 and s[0] is HANDLE
-
-
-def is_static_slot(s) -> bool:
-    """Whether a spec entry stands for a state whose index sits in a static field.
-    Such entries come after those of the leaves."""
-    return type(s) is tuple and len(s) == 3 and s[0] is STATIC
 
 
 def _static_handles(tree) -> list[Handle]:
@@ -99,22 +92,14 @@ def _is_node(x) -> bool:
     return isinstance(x, (StateIndex, eqx.Module))
 
 
-_MUTABLE = (list, dict)
-_mutable_memo: dict[Any, bool] = {}
-
-
 def has_mutable_nodes(treedef) -> bool:
     """Whether a tree holds a list or dict: it can change in place, so an object
-    holding one cannot be remembered as unchanged (see `Memo`)."""
-    found = _mutable_memo.get(treedef)
-    if found is None:
-        data = treedef.node_data()
-        found = (data is not None and issubclass(data[0], _MUTABLE)) or any(
-            map(has_mutable_nodes, treedef.children())
-        )
-        if len(_mutable_memo) < 10_000:
-            _mutable_memo[treedef] = found
-    return found
+    holding one cannot be remembered as unchanged (see `Memo`). (Not cached: a
+    cache would keep the treedefs, and with them static fields, alive.)"""
+    data = treedef.node_data()
+    if data is not None and issubclass(data[0], (list, dict)):
+        return True
+    return any(map(has_mutable_nodes, treedef.children()))
 
 
 # What the compiled function returns as arrays (anything else stays static).
@@ -208,17 +193,10 @@ def analyse(tree) -> Part:
             spec.append((HANDLE, slot, storage.signature_id))
         else:
             spec.append(leaf)
-    statics = []
-    for handle in _static_handles(tree):
-        # Passed in like any other state (see `_jit._Compiled._inner`).
-        storage = handle.get()
-        statics.append(storage)
-        if storage.id not in slot_of:
-            slot = slot_of[storage.id] = len(storages)
-            storages.append(storage)
-            handles.append(handle)
-            fixed = is_set(storage) and fixed
-            spec.append((STATIC, slot, storage.signature_id))
+    # Indices in static fields are part of the tree structure, so the compiled
+    # function reaches them through their references, as closed over; they only
+    # decide where the compiled function is kept (`_jit._JitWrapper`).
+    statics = [handle.get() for handle in _static_handles(tree)]
     return Part(
         (treedef, tuple(spec)),
         arrays,
@@ -266,6 +244,7 @@ class Call:
                 arrays.append(p)
                 keys.append(_ARRAY_KEY)
         self.arrays = arrays
+        self.statics = [s for p in parts if type(p) is Part for s in p.statics]
         if n_stateful <= 1:
             # Local slot numbers are the call's: nothing to renumber.
             self.key = tuple(keys)
@@ -274,7 +253,6 @@ class Call:
             self.impls = stateful.impls
             self.indices = stateful.indices
             self.ids = stateful.ids
-            self.statics = stateful.statics
         else:
             self._number_across(parts, keys)
 
@@ -300,17 +278,13 @@ class Call:
                     handles.append(handle)
                 local.append(slot)
             treedef, spec = p.key
-            spec = tuple(
-                (s[0], local[s[1]], s[2]) if is_slot(s) or is_static_slot(s) else s
-                for s in spec
-            )
+            spec = tuple((s[0], local[s[1]], s[2]) if is_slot(s) else s for s in spec)
             keys[i] = (treedef, spec)
         self.key = tuple(keys)
         self.storages, self.handles = storages, handles
         self.impls = ref_impls(storages)
         self.indices = {}
         self.ids = [s.id for s in storages if is_set(s)]
-        self.statics = [s for p in parts if type(p) is Part for s in p.statics]
 
 
 class OutPart:
@@ -415,8 +389,7 @@ class OutPart:
             or self.statics
             or has_mutable_nodes(self.key_treedef)
             or any(
-                type(s) is Handle or kind(type(s)) == _ARRAY_KIND
-                for s in self.key_spec
+                type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.key_spec
             )
         ):
             # Holds a state the call did not receive, or one without a value yet,

@@ -15,6 +15,7 @@ changes nothing) and the interrupt is raised right after. This wraps Python's SI
 handler while a section runs in the main thread (docs/design.md, "Interrupts").
 """
 
+import _signal  # pyright: ignore[reportMissingImports]  (CPython's, under `signal`)
 import contextlib
 import signal
 import threading
@@ -22,13 +23,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 
-_cond = threading.Condition(threading.Lock())
+_lock = threading.Lock()
+_cond = threading.Condition(_lock)
 # Storage id -> thread that checked it out.
 _busy: dict[int, int] = {}
+_waiting = 0  # threads waiting in `_wait_free`
 
 
 def _wait_free(ids: Iterable[int]) -> None:
-    # Called with `_cond` held.
+    # Called with `_lock` held.
+    global _waiting
     me = threading.get_ident()
     while True:
         owners = [_busy[i] for i in ids if i in _busy]
@@ -41,7 +45,11 @@ def _wait_free(ids: Iterable[int]) -> None:
                 "callback inside it). Read or write it outside the compiled "
                 "function, or pass it in and return what you need."
             )
-        _cond.wait()
+        _waiting += 1
+        try:
+            _cond.wait()
+        finally:
+            _waiting -= 1
 
 
 @contextlib.contextmanager
@@ -49,7 +57,7 @@ def exclusive(storages: Iterable[Any]) -> Iterator[None]:
     """Holds the lock, once none of `storages` is checked out: for short eager
     reads and writes of their buffers."""
     ids = [s.id for s in storages]
-    with _cond:
+    with _lock:
         if _busy:
             _wait_free(ids)
         yield
@@ -57,7 +65,7 @@ def exclusive(storages: Iterable[Any]) -> Iterator[None]:
 
 def checkout(ids: Iterable[int]) -> None:
     """Marks the states as in use by this thread's `jaxstate.jit` call."""
-    with _cond:
+    with _lock:
         if _busy:
             _wait_free(ids)
         me = threading.get_ident()
@@ -66,10 +74,11 @@ def checkout(ids: Iterable[int]) -> None:
 
 
 def release(ids: Iterable[int]) -> None:
-    with _cond:
+    with _lock:
         for i in ids:
-            _busy.pop(i, None)
-        _cond.notify_all()
+            del _busy[i]
+        if _waiting:
+            _cond.notify_all()
 
 
 #
@@ -96,7 +105,9 @@ class _Deferring:
 
 
 def _install() -> bool:
-    current = signal.getsignal(signal.SIGINT)
+    # `_signal.getsignal`: `signal.getsignal` also converts the handler to an enum,
+    # which costs more than the rest of a call's bookkeeping.
+    current = _signal.getsignal(signal.SIGINT)
     if type(current) is _Deferring:
         return True
     if not callable(current):
@@ -107,20 +118,33 @@ def _install() -> bool:
     return True
 
 
+def enter_critical() -> bool:
+    """Opens a critical section; pass what it returns to `exit_critical`. (The
+    pair, rather than `critical()`, on the hot path of `jaxstate.jit`.)"""
+    if threading.get_ident() != _main or not _install():
+        return False
+    _local.depth = getattr(_local, "depth", 0) + 1
+    return True
+
+
+def exit_critical(opened: bool) -> None:
+    """Closes a section, raising an interrupt that came during it."""
+    if not opened:
+        return
+    _local.depth -= 1
+    deferred = getattr(_local, "deferred", None)
+    if deferred is not None and _local.depth == 0:
+        _local.deferred = None
+        handler = _signal.getsignal(signal.SIGINT)
+        if isinstance(handler, _Deferring):
+            handler.previous(*deferred)
+
+
 @contextlib.contextmanager
 def critical() -> Iterator[None]:
     """Defers `KeyboardInterrupt` (in the main thread) to the end of the block."""
-    if threading.get_ident() != _main or not _install():
-        yield
-        return
-    _local.depth = getattr(_local, "depth", 0) + 1
+    opened = enter_critical()
     try:
         yield
     finally:
-        _local.depth -= 1
-        deferred = getattr(_local, "deferred", None)
-        if deferred is not None and _local.depth == 0:
-            _local.deferred = None
-            handler = signal.getsignal(signal.SIGINT)
-            if type(handler) is _Deferring:
-                handler.previous(*deferred)
+        exit_critical(opened)

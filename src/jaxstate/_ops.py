@@ -11,6 +11,7 @@ from ._flag import flag_value
 from ._index import _check_index, StateIndex
 from ._local import at_top
 from ._lock import critical, exclusive
+from ._slow import note_reference_path
 from ._storage import check_not_passed_in, resolve, Storage
 from ._vmap import check_vmaps, is_eager, read, traced_for, write
 
@@ -108,6 +109,8 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
         values = [jnp.asarray(leaf) for leaf in leaves]
     else:
         _check_not_in_shard_map(index, storage, traced_for(), fn)
+        if storage.real is None:
+            note_reference_path(stacklevel=4)  # user -> set_state -> _set -> here
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -131,8 +134,10 @@ def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
 
     - `index`: a [`jaxstate.StateIndex`][].
     - `state`: a PyTree of arrays. The first `set_state` of an index fixes the
-        structure, shapes and dtypes, and must happen outside `jit` (it allocates
-        the state's memory); under eager `vmap` it stores one slice per member.
+        structure, shapes and dtypes; under `vmap` it stores one slice per member.
+        It may happen eagerly or inside a trace (`jit`, `scan`, `cond`, ...): there
+        the state's memory is allocated when the function is traced, and the
+        index counts as set once the program has run and reached the set.
 
     **Returns:**
 
@@ -143,9 +148,9 @@ def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
     - `TypeError` if `state` has a leaf that is not an array.
     - `RuntimeError` if the index is in inference mode; if `state` differs in
         structure, shape or dtype from the stored state; if this is the first set
-        and it happens inside a transform other than `vmap`; or (when the call is
-        compiled or evaluated) if the enclosing vmaps do not match the state's batch
-        axes. After an error the stored state is unchanged.
+        and it happens inside a `shard_map` body; or (when the call is compiled or
+        evaluated) if the enclosing vmaps do not match the state's batch axes.
+        After an error the stored state is unchanged.
 
     !!! info
 
@@ -195,6 +200,7 @@ def get_state(
             "`__init__`), or create the index with `StateIndex(init=value)`."
             + describe_unset(storage)
         )
+    assert storage.refs is not None
     like_leaves = None
     if like is not None:
         like_leaves, treedef = _flatten_arrays(like, "get_state", "like")
@@ -207,6 +213,8 @@ def get_state(
         return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
     enclosing = traced_for()
     _check_not_in_shard_map(index, storage, enclosing, "get_state")
+    if storage.real is None:
+        note_reference_path(stacklevel=3)  # user -> get_state -> here
     if "while_cond" in enclosing:
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
@@ -325,10 +333,11 @@ def _copy(storage: Storage, ref) -> jax.Array:
     buf = _jax.buffer_holder(ref)._buf
     if buf.is_deleted():
         raise RuntimeError(
-            "This state's memory was deleted: a compiled call that used it through "
-            "a captured reference (plain `jax.jit` or `eqx.filter_jit`) failed while "
-            "running, after XLA had taken the buffer. That is a limitation of JAX's "
-            "references; `jaxstate.jit` keeps the state of a failed call. Set the "
-            "state again (or reload it) before using it."
+            "This state's memory was deleted: a compiled call took its buffer and "
+            "gave no new one back. That happens when a function compiled with plain "
+            "`jax.jit` or `eqx.filter_jit` fails while running (or is interrupted) "
+            "after XLA took the buffers of the references it captured, a limitation "
+            "of JAX's references; `jaxstate.jit` keeps the state in both cases. Set "
+            "the state again (or reload it) before using it."
         )
     return jnp.copy(buf)

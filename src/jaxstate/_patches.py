@@ -53,16 +53,12 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
     out_batched = [
         any(bs)
         for bs in zip(
-            *(
-                _jax.batch_jaxpr(b, axis_data, ops_batched, False)[1]
-                for b in branches
-            ),
+            *(_jax.batch_jaxpr(b, axis_data, ops_batched, False)[1] for b in branches),
             strict=True,
         )
     ]
     batched = tuple(
-        _jax.batch_jaxpr(b, axis_data, ops_batched, out_batched)[0]
-        for b in branches
+        _jax.batch_jaxpr(b, axis_data, ops_batched, out_batched)[0] for b in branches
     )
     out = _jax.cond_p.bind(index, *ops, branches=batched, **params)
     return out, [0 if b else None for b in out_batched]

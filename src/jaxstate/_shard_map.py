@@ -17,8 +17,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from . import _jax
-from ._pure import _indices, run_with_state
+from ._jit import jit
 from ._lock import critical, exclusive
+from ._pure import _indices, run_with_state
+from ._vmap import is_eager
 
 
 _REPLICATED = P()
@@ -51,7 +53,9 @@ def shard_map(
 
     **Returns:**
 
-    The mapped function; call it inside `jax.jit` or `jaxstate.jit` (or eagerly).
+    The mapped function; call it inside `jaxstate.jit` or `jax.jit`, or eagerly
+    (an eager call is compiled with `jaxstate.jit`: JAX's eager `shard_map` cannot
+    hold references).
     The model and its state must live on the mesh's devices first: see
     [`jaxstate.device_put`][].
 
@@ -102,7 +106,19 @@ def shard_map(
                 ref[...] = value
         return out
 
-    return mapped
+    compiled = None
+
+    def call(*args):
+        nonlocal compiled
+        if not is_eager():
+            return mapped(*args)
+        # JAX's eager `shard_map` cannot hold references in its body: compile the
+        # call, as `jaxstate.jit(jaxstate.shard_map(...))` would.
+        if compiled is None:
+            compiled = jit(mapped)
+        return compiled(*args)
+
+    return call
 
 
 def device_put(tree: PyTree, sharding: Any) -> PyTree:

@@ -11,6 +11,7 @@ with the last copy of its index. See docs/design.md, "Lifetime".
 """
 
 import contextlib
+import copy
 import itertools
 import threading
 import weakref
@@ -24,10 +25,6 @@ from . import _jax
 
 _ids = itertools.count()
 
-# Held while a state's buffers are read and replaced outside compiled code (eager
-# reads and writes, `jaxstate.jit` calls), so that threads never lose an update or
-# read a buffer another thread has just donated.
-state_lock = threading.RLock()
 _signature_ids: dict[Any, int] = {}
 
 
@@ -51,6 +48,7 @@ class Storage:
         "top",
         "real",
         "jits",
+        "traced",
         "__weakref__",
     )
 
@@ -72,6 +70,9 @@ class Storage:
         # `jaxstate.jit` programs for models holding this index in a static field
         # (see `_jit._JitWrapper._compiled_static`): they live as long as it does.
         self.jits: list = []
+        # Created inside a trace: the compiled program holds its references, and
+        # its output structure holds the storage (see `Key`).
+        self.traced = False
 
     @property
     def signature_id(self) -> int:
@@ -102,6 +103,19 @@ class Storage:
             self.refs = refs
         return self
 
+    # `copy.deepcopy` and `pickle` of a model give it an independent state holding
+    # the current values, as a deep copy of a PyTorch module copies its buffers
+    # (`copy.copy` shares it, as every other copy of a model does): `_copy.py`.
+    def __deepcopy__(self, memo) -> "Storage":
+        from ._copy import copy_storage
+
+        return copy_storage(self)
+
+    def __reduce__(self):
+        from ._copy import reduce_storage
+
+        return reduce_storage(self)
+
     def describe(self) -> str:
         if self.refs is None:
             return "no state yet"
@@ -121,15 +135,19 @@ class Key:
     by the first unflatten, weakly after.
     """
 
-    __slots__ = ("id", "strong", "weak")
+    __slots__ = ("id", "strong", "weak", "keep")
 
     def __init__(self, storage: Storage):
         self.id = storage.id
         self.strong: Storage | None = storage
         self.weak = storage.weak
+        # A state created inside a traced function lives as long as that
+        # function's cached program, which returns it again on every call.
+        self.keep = storage.traced
 
     def take(self) -> Storage | None:
-        self.strong = None
+        if not self.keep:
+            self.strong = None
         return self.weak()
 
     def __eq__(self, other: object) -> bool:
@@ -170,6 +188,13 @@ class Handle:
     def __repr__(self) -> str:
         return f"Handle({self.key.id})"
 
+    def __deepcopy__(self, memo) -> "Handle":
+        # Through `memo`, indices that share a state still share its copy.
+        return Handle.of(copy.deepcopy(self.get(), memo))
+
+    def __reduce__(self):
+        return Handle.of, (self.get(),)
+
     def get(self) -> Storage:
         if self.storage is None:
             raise RuntimeError(
@@ -200,16 +225,21 @@ _tracing = threading.local()
 
 @contextlib.contextmanager
 def passed_in(storages: Sequence[Storage]) -> Iterator[None]:
-    previous = getattr(_tracing, "ids", frozenset())
-    _tracing.ids = previous | {s.id for s in storages}
+    previous = getattr(_tracing, "ids", None)
+    _tracing.ids = (previous or frozenset()) | {s.id for s in storages}
     try:
         yield
     finally:
         _tracing.ids = previous
 
 
+def in_jaxstate_jit() -> bool:
+    """Whether a `jaxstate.jit` function is being traced."""
+    return getattr(_tracing, "ids", None) is not None
+
+
 def check_not_passed_in(storage: Storage, fn: str) -> None:
-    if storage.id in getattr(_tracing, "ids", ()):
+    if storage.id in (getattr(_tracing, "ids", None) or ()):
         raise RuntimeError(
             f"`{fn}` reached a state that is also passed in the arguments of the "
             "enclosing `jaxstate.jit` function, through an index the function closes "

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._flag import flag_value
-from .._index import StateIndex
-from .._inference import tree_inference
+from .._index import StateIndex, with_inference
 from .._ops import get_state, set_state
 from .._storage import resolve
 from .._vmap import is_eager, only_eager_vmaps, vmap_sizes
@@ -27,7 +26,7 @@ def writable(index: StateIndex) -> StateIndex:
     # draws keys, counts and decodes. Their writes go through a training-mode view
     # of the same state.
     if flag_value(index.inference, "StateIndex"):
-        return tree_inference(index, False)
+        return with_inference(index, False)
     return index
 
 

@@ -1,0 +1,61 @@
+"""A warning, once per compiled function, when state is reached the slow way.
+
+A function compiled with `jax.jit` or `eqx.filter_jit` reaches state through JAX's
+references, which JAX dispatches through its Python path on every call: tens of
+microseconds, where `jaxstate.jit` (state passed as donated buffers) takes JAX's C++
+path. For a small step that is most of the step. Porting a program to jaxstate and
+keeping `eqx.filter_jit` would then make it slower than before, so it is said once,
+for each such function. Silence it with
+`warnings.filterwarnings("ignore", category=jaxstate.SlowPathWarning)`.
+See docs/performance.md.
+"""
+
+import warnings
+
+from . import _jax
+from ._create import root_trace
+from ._storage import in_jaxstate_jit
+
+
+class SlowPathWarning(UserWarning):
+    """Warned once per compiled function that reads or writes state through JAX's
+    references: each of its calls takes JAX's slower Python dispatch path. Compile
+    it with [`jaxstate.jit`][] (with the model as an argument) instead."""
+
+
+_warned: set[str] = set()
+
+
+def note_reference_path(stacklevel: int) -> None:
+    """Called while tracing a read or write that goes through a state's own
+    references (not a `jaxstate.jit` argument); `stacklevel` frames up is the
+    user's call."""
+    root = root_trace()
+    if root is None or _jax.traced_for(root) != "jit":
+        return
+    where = _jax.function_name(root) or "a compiled function"
+    if where in _warned:
+        return
+    _warned.add(where)
+    name = where.split(" at ")[0]
+    if in_jaxstate_jit():
+        fix = (
+            f"`{name}` is compiled with `jaxstate.jit` but reaches this state by "
+            "closing over it, or through an index in a static field: pass the model "
+            "holding it as an argument, in an ordinary field, so that its state "
+            "travels as donated buffers."
+        )
+    else:
+        fix = (
+            f"Compile `{name}` with `jaxstate.jit` instead (a drop-in for "
+            "`eqx.filter_jit`; pass the model as an argument), which keeps JAX's "
+            "fast path."
+        )
+    warnings.warn(
+        f"`{name}` reads or writes jaxstate state through JAX's references, so every "
+        "call of it takes JAX's slower Python dispatch path (tens of microseconds "
+        f"more per call). {fix} Silence this with `warnings.filterwarnings("
+        '"ignore", category=jaxstate.SlowPathWarning)`.',
+        SlowPathWarning,
+        stacklevel=stacklevel + 1,
+    )

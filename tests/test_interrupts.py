@@ -1,0 +1,146 @@
+"""A step is all or nothing, also when interrupted.
+
+A real asynchronous `KeyboardInterrupt` (`_thread.interrupt_main` from a timer
+thread, which is what Ctrl-C does) lands at a random moment of a training loop or a
+run of eager writes, many times over. Afterwards every state must be readable and
+consistent: either as before the interrupted step or fully updated, never deleted
+or half written. See docs/design.md, "Interrupts"."""
+
+import _thread
+import random
+import threading
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+
+
+TRIALS = 120
+
+
+class Model(eqx.Module):
+    count: jaxstate.StateIndex
+    pair: jaxstate.StateIndex  # two leaves, always equal to `count`
+
+    def __init__(self):
+        self.count = jaxstate.StateIndex(init=jnp.array(0))
+        self.pair = jaxstate.StateIndex(init=(jnp.zeros(1000), jnp.zeros(7, jnp.int32)))
+
+
+def _step(model):
+    c = jaxstate.get_state(model.count) + 1
+    a, b = jaxstate.get_state(model.pair)
+    jaxstate.set_state(model.count, c)
+    jaxstate.set_state(model.pair, (a + 1, b + 1))
+    return c
+
+
+def _eager_step(model):
+    # Eager writes: each `set_state` is all or nothing, so the pair stays equal.
+    c = model.count.unsafe_get() + 1
+    a, b = jaxstate.get_state(model.pair)
+    jaxstate.set_state(model.pair, (a + 1, b + 1))
+    jaxstate.set_state(model.count, c)
+
+
+def _consistent(model) -> int:
+    count = int(model.count.unsafe_get())
+    a, b = (np.asarray(x) for x in model.pair.unsafe_get())
+    # `pair` is written before `count` in `_eager_step`: it may be one ahead there.
+    assert np.all(a == a[0]) and np.all(b == b[0]), (a, b)
+    assert a[0] == b[0] and a[0] in (count, count + 1), (count, a[0], b[0])
+    return count
+
+
+def _interrupted_loops(run, model, trials: int) -> int:
+    """Runs `run(model)` in a loop until an interrupt lands, `trials` times; returns
+    how many interrupts landed."""
+    landed = 0
+    rng = random.Random(0)
+    for _ in range(trials):
+        timer = threading.Timer(rng.uniform(0.0, 0.004), _thread.interrupt_main)
+        try:
+            timer.start()
+            while True:
+                run(model)
+        except KeyboardInterrupt:
+            landed += 1
+        finally:
+            timer.join()
+        _consistent(model)
+    return landed
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_interrupted_jaxstate_jit_loop_loses_nothing(donate):
+    model = Model()
+    step = jaxstate.jit(_step, donate=donate)
+    step(model)  # compiled before the interrupts start
+    assert _interrupted_loops(step, model, TRIALS) == TRIALS
+    before = _consistent(model)
+    step(model)  # and it still works afterwards
+    assert _consistent(model) == before + 1
+
+
+def test_interrupted_training_loop_returning_the_model():
+    model = Model()
+    step = jaxstate.jit(lambda m: (m, _step(m)))
+    model, _ = step(model)
+    holder = [model]
+
+    def run(_):
+        holder[0], _ = step(holder[0])
+
+    assert _interrupted_loops(run, model, TRIALS) == TRIALS
+    _consistent(holder[0])
+
+
+def test_interrupted_eager_writes_lose_nothing():
+    model = Model()
+    assert _interrupted_loops(_eager_step, model, TRIALS) == TRIALS
+
+
+def test_an_interrupt_inside_a_critical_section_is_raised_at_its_end():
+    from jaxstate._lock import critical
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with critical():
+            _thread.interrupt_main()
+            for _ in range(1000):  # plenty of bytecode boundaries to land on
+                done.append(None)
+            done.append("end")
+    assert done[-1] == "end"
+    # Outside a section, it is raised as usual.
+    with pytest.raises(KeyboardInterrupt):
+        _thread.interrupt_main()
+        for _ in range(1000):
+            pass
+
+
+def test_an_interrupt_in_another_thread_section_is_not_held_back():
+    # Sections are per thread: a section open in a worker does not defer the main
+    # thread's interrupt.
+    from jaxstate._lock import critical
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def worker():
+        with critical():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _thread.interrupt_main()
+            for _ in range(1000):
+                pass
+    finally:
+        leave.set()
+        t.join()

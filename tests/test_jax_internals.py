@@ -1,0 +1,226 @@
+"""One test per assumption `src/jaxstate/_jax.py` makes about JAX's internals.
+
+When JAX changes, these say which assumption broke, before the library's own
+tests fail in harder-to-read ways. See docs/design.md, "JAX's internals"."""
+
+import contextlib
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstate import _jax, _patches
+
+
+def _seen(probe):
+    """Runs `probe()` where it is called and returns what it returned."""
+    out = []
+    return out, lambda *a: (out.append(probe()), a[0] if a else None)[1]
+
+
+def test_eager_code_runs_under_the_eval_trace():
+    assert _jax.is_eval_trace(_jax.current_trace())
+    assert _jax.current_trace() is _jax.eval_trace()
+    assert list(_jax.enclosing_traces()) == [_jax.eval_trace()]
+
+
+def test_traces_link_to_the_trace_they_started_from():
+    # jit body under vmap, scan body under that: the chain reaches both vmaps.
+    out, probe = _seen(lambda: list(_jax.enclosing_traces()))
+
+    def body(c, x):
+        probe()
+        return c, x
+
+    jax.vmap(jax.vmap(jax.jit(lambda x: lax.scan(body, 0.0, x))))(jnp.ones((2, 3, 4)))
+    (chain,) = out
+    assert _jax.is_eval_trace(chain[-1])
+    sizes = [_jax.batch_size(t) for t in chain if _jax.is_batch_trace(t)]
+    assert sizes == [3, 2]  # innermost first
+    assert [_jax.parent_trace(t) for t in chain[:-1]] == chain[1:]
+
+
+def test_traced_for_names_what_a_trace_is_for():
+    out, probe = _seen(lambda: [_jax.traced_for(t) for t in _jax.enclosing_traces()])
+    jax.jit(probe)(1.0)
+    lax.while_loop(lambda c: (probe(), c < 1)[1], lambda c: c + 1, 0)
+    lax.scan(lambda c, x: (probe(), (c, x))[1], 0.0, jnp.ones(2))
+    mesh = jax.make_mesh((1,), ("d",))
+    jax.shard_map(probe, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())(jnp.ones(2))
+    assert out[0][0] == "jit"
+    assert out[1][0] == "while_cond"
+    assert out[2][0] == "scan"
+    assert "shard_map" in out[3]
+
+
+def test_function_name_of_a_jit_trace():
+    out, probe = _seen(lambda: _jax.function_name(_jax.current_trace()))
+
+    def my_step(x):
+        return probe(x)
+
+    jax.jit(my_step)(1.0)
+    assert out[0].startswith("my_step at ") and "test_jax_internals.py" in out[0]
+
+
+def test_batching_rules_run_with_the_parent_trace_current():
+    # What `_vmap._level_of` counts on: inside the rule of the inner vmap, one
+    # vmap (the outer) is visible; inside the outer one's, none.
+    counts = []
+
+    def impl(x):
+        return x
+
+    prim = _jax.new_primitive("jaxstate_test_probe", impl, lambda x: x)
+
+    def rule(axis_data, vals, dims):
+        counts.append(sum(map(_jax.is_batch_trace, _jax.enclosing_traces())))
+        assert _jax.axis_size(axis_data) in (2, 3)
+        return prim.bind(vals[0]), dims[0]
+
+    _jax.set_batching_rule(prim, rule)
+    out = jax.vmap(jax.vmap(prim.bind))(jnp.ones((2, 3)))
+    assert counts == [1, 0]
+    np.testing.assert_array_equal(out, jnp.ones((2, 3)))
+    counts.clear()
+    jax.jit(jax.vmap(jax.vmap(prim.bind)))(jnp.ones((2, 3)))  # also when staged
+    assert counts == [1, 0]
+
+
+def test_a_primitive_with_a_zero_jvp():
+    prim = _jax.new_primitive("jaxstate_test_zero", lambda x: x * 2, lambda x: x)
+    _jax.set_zero_jvp(prim)
+    assert jax.grad(lambda x: prim.bind(x) + x)(1.0) == 1.0
+    assert jax.jit(prim.bind)(3.0) == 6.0  # lowered through its impl
+
+
+def test_batch_info_and_moving_axes():
+    def f(x, y):
+        trace = _jax.current_trace()
+        val, dim = _jax.batch_info(trace, x)
+        assert dim == 0 and val.shape == (3, 2)
+        _, dim_y = _jax.batch_info(trace, y)
+        assert dim_y is None
+        return x
+
+    jax.vmap(f, in_axes=(0, None))(jnp.ones((3, 2)), 1.0)
+    assert _jax.moveaxis(jnp.zeros((2, 3)), 1, 0).shape == (3, 2)
+
+
+def test_the_buffer_inside_a_reference():
+    ref = jax.new_ref(jnp.arange(3.0))
+    holder = _jax.buffer_holder(ref)
+    assert isinstance(holder._buf, jax.Array)
+    np.testing.assert_array_equal(holder._buf, [0.0, 1.0, 2.0])
+    holder._buf = jnp.ones(3)  # what `jaxstate.jit` does after each call
+    np.testing.assert_array_equal(ref[...], [1.0, 1.0, 1.0])
+    # A jitted function that captured the reference sees the swapped buffer.
+    read = jax.jit(lambda: ref[...] * 2)
+    read()
+    holder._buf = jnp.full(3, 5.0)
+    np.testing.assert_array_equal(read(), [10.0, 10.0, 10.0])
+    device = jax.devices()[0]
+    _jax.replace_buffer(ref, jax.device_put(jnp.zeros(3), device))
+    np.testing.assert_array_equal(ref[...], [0.0, 0.0, 0.0])
+    assert _jax.is_abstract_ref(_jax.typeof(ref))
+    assert not _jax.is_abstract_ref(_jax.typeof(jnp.zeros(3)))
+
+
+def test_recorded_operations_of_a_tracing_trace():
+    names = []
+
+    def f(x):
+        y = jax.pure_callback(lambda v: v, jax.ShapeDtypeStruct((), jnp.float32), x)
+        z = jnp.sin(x)  # kept by weak reference until used
+        names.extend(p.name for p, _ in _jax.recorded(_jax.current_trace()))
+        return y + z
+
+    jax.jit(f)(1.0)
+    assert "pure_callback" in names and "sin" in names
+
+
+def test_sub_jaxprs_of_control_flow():
+    jaxpr = jax.make_jaxpr(lambda p, x: lax.cond(p, jnp.sin, jnp.cos, x))(True, 1.0)
+    cond = jaxpr.jaxpr.eqns[-1]
+    subs = list(_jax.sub_jaxprs(cond.params))
+    assert len(subs) == 2
+    assert {e.primitive.name for s in subs for e in s.eqns} == {"sin", "cos"}
+
+
+def test_debugging_nans_reads_the_config():
+    assert not _jax.debugging_nans()
+    with jax.debug_nans(True):
+        assert _jax.debugging_nans()
+    with jax.debug_infs(True):
+        assert _jax.debugging_nans()
+
+
+def test_the_primitives_and_effects_of_reference_writes_and_conds():
+    ref = jax.new_ref(jnp.zeros(2))
+
+    def write(x):
+        ref[...] = x
+
+    jaxpr = jax.make_jaxpr(write)(jnp.ones(2))
+    assert jaxpr.jaxpr.eqns[-1].primitive is _jax.swap_p
+    (effect,) = _jax.ref_effects(jaxpr.jaxpr)
+    assert not _jax.is_read_effect(effect)
+    jaxpr = jax.make_jaxpr(lambda: ref[...])()
+    assert all(map(_jax.is_read_effect, _jax.ref_effects(jaxpr.jaxpr)))
+    jaxpr = jax.make_jaxpr(lambda p: lax.cond(p, lambda: 1.0, lambda: 2.0))(True)
+    assert jaxpr.jaxpr.eqns[-1].primitive is _jax.cond_p
+
+
+@contextlib.contextmanager
+def _without_patches():
+    for prim, rule in [
+        (_jax.swap_p, _patches._jax_swap_batcher),
+        (_jax.cond_p, _patches._jax_cond_batcher),
+    ]:
+        _jax.set_batching_rule(prim, rule)
+    try:
+        yield
+    finally:
+        _jax.set_batching_rule(_jax.swap_p, _patches._swap_batcher)
+        _jax.set_batching_rule(_jax.cond_p, _patches._cond_batcher)
+
+
+def test_the_patches_only_cover_cases_where_jax_raises():
+    # Each patched case, with JAX's own rule: it raises. (If a newer JAX handles
+    # one, the patch for it can go.)
+    assert _jax.batching_rule(_jax.swap_p) is _patches._swap_batcher
+    ref = jax.new_ref(jnp.zeros(()))
+
+    def unbatched_write(_):
+        ref[...] = jnp.ones(())
+
+    def cond_reading(p):
+        return lax.cond(p > 0, lambda: ref[...], lambda: ref[...] + 1)
+
+    with _without_patches():
+        with pytest.raises(Exception, match="unbatched"):  # noqa: B017
+            jax.vmap(unbatched_write)(jnp.zeros(2))
+        with pytest.raises(NotImplementedError, match="State effect"):
+            jax.vmap(cond_reading)(jnp.array([1.0, -1.0]))
+    # With the patches: both work, and mean what they say.
+    jax.vmap(unbatched_write)(jnp.zeros(2))
+    assert ref[...] == 1.0
+    np.testing.assert_array_equal(
+        jax.vmap(cond_reading)(jnp.array([1.0, -1.0])), [1.0, 2.0]
+    )
+    # Every other case still goes to JAX's rule, unchanged: a batched write into
+    # an unbatched reference stays an error.
+    with pytest.raises(Exception, match="unbatched"):
+        jax.vmap(lambda x: ref.__setitem__(..., x))(jnp.zeros(2))
+
+
+def test_bcast_select_helpers_used_by_the_cond_patch():
+    pred = jnp.array([True, False])
+    out = _jax.bcast_select(pred, jnp.ones((2, 3)), jnp.zeros((2, 3)))
+    np.testing.assert_array_equal(out, [[1.0] * 3, [0.0] * 3])
+    out = _jax.bcast_select_n(jnp.array([0, 1]), jnp.ones(2), jnp.zeros(2))
+    np.testing.assert_array_equal(out, [1.0, 0.0])
+    x = _jax.bdim_at_front(jnp.ones((3, 2)), 1, 2, mesh_axis=None)
+    assert x.shape == (2, 3)

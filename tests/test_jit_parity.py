@@ -1,0 +1,137 @@
+"""`jaxstate.jit` as a drop-in for `eqx.filter_jit`: what `filter_jit` gets right
+must come out the same."""
+
+import gc
+import weakref
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+
+
+class Bag(eqx.Module):
+    items: list
+    table: dict
+    count: jaxstate.StateIndex
+
+
+def _total(bag):
+    jaxstate.set_state(bag.count, jaxstate.get_state(bag.count) + 1)
+    return sum(bag.items) + sum(bag.table.values())
+
+
+@pytest.mark.parametrize("compiler", [eqx.filter_jit, jaxstate.jit])
+def test_lists_and_dicts_changed_in_place_between_calls(compiler):
+    bag = Bag(
+        [jnp.array(1.0), jnp.array(1.0)],
+        {"a": jnp.array(0.0)},
+        jaxstate.StateIndex(init=jnp.array(0)),
+    )
+    total = compiler(_total)
+    assert total(bag) == 2.0
+    bag.items[0] = jnp.array(10.0)  # same module object, same list object
+    assert total(bag) == 11.0
+    bag.table["a"] = jnp.array(5.0)
+    assert total(bag) == 16.0
+    bag.items.append(jnp.array(100.0))  # and a new structure
+    assert total(bag) == 116.0
+    assert bag.count.unsafe_get() == 4
+
+
+def test_a_returned_module_holding_a_list_is_not_remembered_stale():
+    step = jaxstate.jit(lambda bag: (bag, _total(bag)))
+    bag = Bag([jnp.array(1.0)], {}, jaxstate.StateIndex(init=jnp.array(0)))
+    bag, out = step(bag)
+    bag.items[0] = jnp.array(3.0)
+    bag, out = step(bag)
+    assert out == 3.0
+
+
+class StaticHolder(eqx.Module):
+    weight: jax.Array
+    rate: jaxstate.StateIndex = eqx.field(static=True)
+    seen: jaxstate.StateIndex = eqx.field(static=True)
+
+    def __init__(self):
+        self.weight = jnp.array(2.0)
+        self.rate = jaxstate.StateIndex(init=jnp.array(0.5))
+        self.seen = jaxstate.StateIndex(init=jnp.array(0))
+
+    def __call__(self, x):
+        jaxstate.set_state(self.seen, jaxstate.get_state(self.seen) + 1)
+        return self.weight * x * jaxstate.get_state(self.rate)
+
+
+COMPILERS = {"eqx.filter_jit": eqx.filter_jit, "jaxstate.jit": jaxstate.jit}
+
+
+@pytest.mark.parametrize("compiler", list(COMPILERS))
+def test_index_in_a_static_field(compiler):
+    model = StaticHolder()
+    step = COMPILERS[compiler](lambda m, x: m(x))
+    assert step(model, 3.0) == 3.0
+    jaxstate.set_state(model.rate, jnp.array(2.0))  # a new value, no retrace needed
+    assert step(model, 3.0) == 12.0
+    other = StaticHolder()  # another model: its own state
+    assert step(other, 1.0) == 1.0
+    assert model.seen.unsafe_get() == 2 and other.seen.unsafe_get() == 1
+
+
+def test_index_in_a_static_field_is_freed_with_its_model():
+    step = jaxstate.jit(lambda m, x: m(x))
+    model = StaticHolder()
+    for _ in range(3):
+        step(model, 1.0)
+    storage = weakref.ref(model.seen._handle.get())
+    assert storage().refs is not None
+    del model
+    gc.collect()
+    assert storage() is None  # while `step` lives on
+    assert step(StaticHolder(), 1.0) == 1.0
+
+
+def test_lowered_and_compiled_ahead_of_time():
+    model = StaticHolder()
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+
+    def step(index, x):
+        jaxstate.set_state(index, jaxstate.get_state(index) + x)
+        return jaxstate.get_state(index)
+
+    compiled = jaxstate.jit(step).lower(index, jnp.ones(2)).compile()
+    assert "add" in compiled.as_text()
+    np.testing.assert_array_equal(compiled(index, jnp.ones(2)), [1.0, 1.0])
+    np.testing.assert_array_equal(compiled(index, jnp.ones(2)), [2.0, 2.0])
+    with pytest.raises(TypeError, match="lowered for arguments of another structure"):
+        compiled(model, jnp.ones(2))
+    with pytest.raises(TypeError):  # JAX's own check of shapes
+        compiled(index, jnp.ones(3))
+    np.testing.assert_array_equal(index.unsafe_get(), [2.0, 2.0])
+
+
+class StaticCounter(eqx.Module):
+    s: jaxstate.StateIndex = eqx.field(static=True)
+
+
+def _count(m):
+    jaxstate.set_state(m.s, jaxstate.get_state(m.s) + 1)
+    return jaxstate.get_state(m.s)
+
+
+@pytest.mark.parametrize("inner", [jax.jit, eqx.filter_jit])
+def test_static_index_through_a_nested_jit_in_both_orders(inner):
+    # The nested function's cache is keyed on the tree structure, which holds the
+    # static index: it must mean the same state inside `jaxstate.jit` and outside.
+    m = StaticCounter(jaxstate.StateIndex(init=jnp.zeros(2)))
+    f = inner(_count)
+    f(m)
+    np.testing.assert_array_equal(jaxstate.jit(f)(m), [2.0, 2.0])
+    m2 = StaticCounter(jaxstate.StateIndex(init=jnp.zeros(2)))
+    g = inner(_count)
+    jaxstate.jit(lambda m: g(m))(m2)
+    np.testing.assert_array_equal(g(m2), [2.0, 2.0])
+    np.testing.assert_array_equal(jaxstate.jit(lambda m: g(m))(m2), [3.0, 3.0])
