@@ -171,7 +171,6 @@ class W:
     n: int = 0  # scan/map length, loop iterations, switch index
     pred: bool = True  # cond
     traced: bool = False  # cond/switch: predicate traced (an argument) or static
-    flag: bool = False  # inference
     variant: str = ""  # jit flavour, checkpoint kind
     batch: int = 0  # map: `batch_size` (0: none)
 
@@ -201,8 +200,6 @@ class W:
             return f"switch({self.n}{', traced' if self.traced else ', static'})"
         if k == "cond":
             return f"cond({self.pred}{', traced' if self.traced else ', static'})"
-        if k == "inference":
-            return f"tree_inference({self.flag})"
         if k == "jit":
             return self.variant
         if k == "jit_vmap":
@@ -224,6 +221,9 @@ class Case:
     stack: tuple[W, ...]
     program: tuple[Op, ...]
     init: dict  # name -> NumPy leaves (stacked for batched slots)
+    # The model is switched with `tree_inference(model, inference)` (eagerly, before
+    # it is passed in or closed over), unless `None`.
+    inference: bool | None = None
 
     @property
     def grid(self) -> tuple[int, ...]:
@@ -233,6 +233,7 @@ class Case:
     def key(self):
         return (
             self.compiler,
+            self.inference,
             tuple(w.key() for w in self.stack),
             tuple(op.key() for op in self.program),
         )
@@ -243,8 +244,9 @@ class Case:
     def __repr__(self) -> str:
         used = sorted({op.target for op in self.program}, key=NAMES.index)
         init = ", ".join(f"{n}={fmt_tree(self.init[n])}" for n in used)
+        mode = "" if self.inference is None else f"tree_inference({self.inference}), "
         return (
-            f"Case({self.compiler}, stack={list(self.stack)}, "
+            f"Case({self.compiler}, {mode}stack={list(self.stack)}, "
             f"program={list(self.program)}, init={{{init}}})"
         )
 
@@ -511,38 +513,57 @@ def _wrap(w: W, pos: int, grid_name, inner):
 
         def custom(model, vals, uvals):
             # Declared derivative of every float output with respect to `p`: its
-            # own value (true for the program's reads, `p * state`).
+            # own value (true for the program's reads, `p * state`). The values go
+            # in as arguments: a `custom_vjp` function that writes state and closes
+            # over a tracer fails under `grad` of a `checkpoint` (a JAX limit, see
+            # `test_known_limit_custom_vjp_closing_over_a_tracer_under_remat`).
             @jax.custom_vjp
-            def f(p):
+            def f(p, vals, uvals):
                 return inner(model, vals, {**uvals, "p": p})
 
-            def fwd(p):
-                out = f(p)
-                return out, out
+            def fwd(p, vals, uvals):
+                out = f(p, vals, uvals)
+                return out, (out, vals, uvals)
 
-            def bwd(out, ct):
+            def bwd(res, ct):
+                out, vals, uvals = res
                 pairs = zip(jtu.tree_leaves(ct), jtu.tree_leaves(out))
                 terms = [jnp.sum(c * x) for c, x in pairs if _is_float(x)]
-                return (sum(terms, jnp.float32(0)),)
+                return (sum(terms, jnp.float32(0)), *_no_cotangents((vals, uvals)))
 
             f.defvjp(fwd, bwd)
-            return f(uvals["p"])
+            return f(uvals["p"], vals, uvals)
 
         return custom
-    if kind == "inference":
-        return lambda model, vals, uvals: inner(
-            (jaxstate.tree_inference(model[0], w.flag), model[1]), vals, uvals
-        )
     raise AssertionError(kind)
 
 
-def _compile(compiler: str, fn):
+def model(inference: bool | None):
+    """The pool as passed to (or closed over by) a case's function, switched to
+    inference or training mode (eagerly: inside a transform that is refused)."""
+    indices, counters = pool()
+    if inference is not None:
+        indices = jaxstate.tree_inference(indices, inference)
+    return indices, counters
+
+
+def _no_cotangents(tree):
+    def zero(x):
+        if _is_float(x):
+            return jnp.zeros_like(x)
+        return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+    return jtu.tree_map(zero, tree)
+
+
+def _compile(compiler: str, inference: bool | None, fn):
     if compiler == "eager":
         return fn
     if compiler == "jaxstate.jit(closure)":
         # The state is reached through the closure: JAX's reference path. The pool
         # is fixed, so one compiled function serves every example.
-        closed = jaxstate.jit(lambda vals, uvals: fn(pool(), vals, uvals))
+        closed_over = model(inference)
+        closed = jaxstate.jit(lambda vals, uvals: fn(closed_over, vals, uvals))
         return lambda model, vals, uvals: closed(vals, uvals)
     return _jit(compiler, fn)
 
@@ -551,14 +572,14 @@ def _compile(compiler: str, fn):
 def build(case_key):
     """The function of a case structure, `(model, vals, uvals) -> outputs`; cached
     so that compiled code is reused across examples with the same structure."""
-    compiler, stack_key, program_key = case_key
+    compiler, inference, stack_key, program_key = case_key
     n_grid = sum(w.kind in GRID_KINDS for w in stack_key)
     fn = _program_fn(program_key, GRID_NAMES[:n_grid])
     names = iter(reversed(GRID_NAMES[:n_grid]))
     for pos in reversed(range(len(stack_key))):
         w = stack_key[pos]
         fn = _wrap(w, pos, next(names) if w.kind in GRID_KINDS else None, fn)
-    return _compile(compiler, fn)
+    return _compile(compiler, inference, fn)
 
 
 def arguments(case: Case):
@@ -801,16 +822,15 @@ class Reference:
     def run(self, pos: int = 0, ctx: Ctx | None = None):
         """What the stack from `pos` inwards returns."""
         if ctx is None:
+            ctx = Ctx(flag=bool(self.case.inference))
             if self.case.compiler == "eager":
-                return self.run(0, Ctx())
-            return self._traced(Ctx(), lambda c: self.run(0, c))
+                return self.run(0, ctx)
+            return self._traced(ctx, lambda c: self.run(0, c))
         stack = self.case.stack
         if pos == len(stack):
             return self._program(ctx)
         w, k = stack[pos], stack[pos].kind
         inner = lambda c: self.run(pos + 1, c)
-        if k == "inference":
-            return inner(dataclasses.replace(ctx, flag=w.flag))
         if k == "vmap":
             return inner(ctx.under(self.axis_of[pos]))
         if k == "jit":

@@ -31,7 +31,8 @@ reference model, which applies the intended semantics eagerly:
   compilers, nested jits and `vmap` change nothing else; a jitted function reused
   under vmap is called once outside the vmap (one member's values) and then under
   it, and returns both results;
-- in inference mode (`tree_inference`) the first write raises `RuntimeError`;
+- in inference mode (the model switched with `tree_inference` before it is passed in
+  or closed over) the first write raises `RuntimeError`;
 - a region that JAX traces before it runs (a compiled function, a loop or cond
   body, a checkpoint) is all or nothing: if anything in it is refused, every state
   is as it was before it. Eager code and eager `vmap`/`grad`/`jvp`/... run operation
@@ -71,6 +72,7 @@ from _program_model import (
     JIT_FLAVOURS,
     LOOP_KINDS,
     MAP_BATCH,
+    model,
     NAMES,
     Op,
     POOL,
@@ -155,7 +157,6 @@ _KINDS = (
     "checkpoint",
     "switch",
     "fori_loop",
-    "inference",
 )
 
 
@@ -175,8 +176,6 @@ def _wrapper(draw):
         return W(kind, pred=draw(st.booleans()), traced=draw(st.booleans()))
     if kind == "switch":
         return W(kind, n=draw(st.sampled_from([1, 0, 2])), traced=draw(st.booleans()))
-    if kind == "inference":
-        return W(kind, flag=draw(st.booleans()))
     if kind in ("jit", "jit_vmap"):
         return W(kind, variant=draw(st.sampled_from(JIT_FLAVOURS)))
     if kind == "checkpoint":
@@ -242,12 +241,37 @@ def _op(draw, names, grid):
     return Op(kind, target, per_member=per_member, value=value)
 
 
+_TRACED_BODIES = (
+    *LOOP_KINDS,
+    "jit",
+    "jit_vmap",
+    "checkpoint",
+    "cond",
+    "switch",
+    "while",
+)
+
+
+def _known_issue(stack) -> bool:
+    """A jaxstate issue, reported: `custom_vjp` in a traced body under a vmap loses
+    that vmap (`test_known_issue_custom_derivative_with_batched_state_in_a_traced_
+    body`). Until it is fixed, programs under such stacks use no batched state."""
+    kinds = [w.kind for w in stack]
+    if "custom_vjp" not in kinds or not any(k in GRID_KINDS for k in kinds):
+        return False
+    first_vmap = min(i for i, k in enumerate(kinds) if k in GRID_KINDS)
+    custom = max(i for i, k in enumerate(kinds) if k == "custom_vjp")
+    return any(k in _TRACED_BODIES for k in kinds[first_vmap:custom])
+
+
 @st.composite
 def cases(draw, stack_strategy=stacks):
     compiler = draw(st.sampled_from(COMPILERS))
     stack = draw(stack_strategy)
     grid = Case(compiler, stack, (), {}).grid
-    names = NAMES if batched_ok(stack) else UNBATCHED
+    names = NAMES if batched_ok(stack) and not _known_issue(stack) else UNBATCHED
+    # Mostly as built (training mode); now and then switched to inference or back.
+    inference = draw(st.sampled_from([None, None, None, None, True, False]))
     used = draw(st.lists(st.sampled_from(names), min_size=2, max_size=4, unique=True))
     program = tuple(draw(st.lists(_op(used, grid), min_size=1, max_size=5)))
     init = {
@@ -256,17 +280,13 @@ def cases(draw, stack_strategy=stacks):
         else [np.zeros(s.stored_shape(sh), dt) for sh, dt in s.leaves]
         for n, s in POOL.items()
     }
-    return Case(compiler, stack, program, init)
-
-
-def _no_inference(stack) -> bool:
-    return all(w.kind != "inference" for w in stack)
+    return Case(compiler, stack, program, init, inference)
 
 
 @st.composite
 def failing_cases(draw):
     """A valid program with one faulty operation inserted somewhere."""
-    case = draw(cases(stacks.filter(_no_inference)))
+    case = draw(cases())
     used = sorted({op.target for op in case.program}, key=NAMES.index)
     target = draw(st.sampled_from(used))
     slot = POOL[target]
@@ -276,6 +296,7 @@ def failing_cases(draw):
     bad = Op("bad", target, fault=draw(st.sampled_from(faults)))
     at = draw(st.integers(0, len(case.program)))
     program = case.program[:at] + (bad,) + case.program[at:]
+    # Not in inference mode: `set_state` would refuse the write before its value.
     return Case(case.compiler, case.stack, program, case.init)
 
 
@@ -318,11 +339,11 @@ def _check(case: Case):
     fn = build(case.key())
     vals, uvals = arguments(case)
     if refused is None:
-        _assert_close(fn((indices, counters), vals, uvals), expected, "outputs")
+        _assert_close(fn(model(case.inference), vals, uvals), expected, "outputs")
     else:
         error, match = refused
         with pytest.raises(error, match=re.escape(match)):
-            fn((indices, counters), vals, uvals)
+            fn(model(case.inference), vals, uvals)
     for name, index in zip(NAMES, indices):
         _assert_close(jtu.tree_leaves(index.unsafe_get()), ref.state[name], name)
     for pos, (c, e) in enumerate(zip(counters, ref.counters)):
@@ -423,6 +444,41 @@ def test_known_limit_linearize_of_a_while_loop_with_state(raw):
     assert tangent == 1.0  # the second iteration's read
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=jax.errors.UnexpectedTracerError,
+    reason="JAX 0.10 limit, also for raw jax.Refs: under grad of a checkpoint, a "
+    "custom_vjp function that writes state and closes over a tracer of the "
+    "checkpointed function leaks it (passing the value as an argument works)",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(0.0), kind="no_grad_no_remat")
+
+        def put(x):
+            ref[...] = lax.stop_gradient(x)
+
+        value = lambda: ref[...]
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(0.0))
+        put = lambda x: jaxstate.set_state(index, x)
+        value = index.unsafe_get
+
+    def checkpointed(p, x):
+        @jax.custom_vjp
+        def f(p):
+            put(2.0 * p)
+            return p * x  # `x` is a tracer of the checkpointed function
+
+        f.defvjp(lambda p: (f(p), None), lambda _, ct: (ct,))
+        return f(p)
+
+    loss = lambda p: jax.checkpoint(checkpointed)(p, jnp.float32(3.0))
+    assert jax.grad(loss)(jnp.float32(1.0)) == 1.0  # the declared derivative
+    assert value() == 2.0
+
+
 #
 # Known issues, reported: state first set under `vmap` keeps its batch axis for the
 # *outermost* vmap, and some JAX transforms run their body under a vmap of their
@@ -473,3 +529,42 @@ def test_known_issue_batched_state_in_a_vmap_under_batched_lax_map():
 
     out = lax.map(lambda _: jax.vmap(member)(jnp.arange(3)), jnp.zeros(3), batch_size=3)
     np.testing.assert_array_equal(out, [[0.0, 1.0, 2.0]] * 3)  # [[0,0,0],[1,1,1],...]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="jaxstate issue: JAX traces a custom_vjp/custom_jvp function while binding "
+    "it, with the eager trace current, so inside a traced body (jit, checkpoint, scan, "
+    "cond) under vmap the trace of the function has no link to the vmap and "
+    "`get_state` of state with a batch axis counts 0 vmaps",
+)
+@pytest.mark.parametrize("custom", ["custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("body", ["jit", "checkpoint", "scan"])
+def test_known_issue_custom_derivative_with_batched_state_in_a_traced_body(
+    custom, body
+):
+    index = _batched_index()
+
+    if custom == "custom_vjp":
+
+        @jax.custom_vjp
+        def read(p):
+            return jaxstate.get_state(index) * p
+
+        read.defvjp(lambda p: (read(p), None), lambda _, ct: (ct,))
+    else:
+
+        @jax.custom_jvp
+        def read(p):
+            return jaxstate.get_state(index) * p
+
+        read.defjvp(lambda primals, tangents: (read(*primals), tangents[0]))
+
+    wrap = {
+        "jit": jax.jit,
+        "checkpoint": jax.checkpoint,
+        "scan": lambda f: lambda p: lax.scan(lambda c, _: (c, f(p)), 0, length=1)[1][0],
+    }[body]
+    out = jax.vmap(lambda _: wrap(read)(1.0))(jnp.arange(3))
+    np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
