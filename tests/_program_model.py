@@ -396,7 +396,8 @@ def _wrap(w: W, pos: int, grid_name, inner):
         return _jit(variant, inner)
     if kind == "checkpoint":
         if variant == "eqx.filter_checkpoint":
-            return eqx.filter_checkpoint(inner)
+            # A plain function: Equinox warns about a `jax.vmap`-ed one in a field.
+            return eqx.filter_checkpoint(lambda *args: inner(*args))
         policy = getattr(jax.checkpoint_policies, variant, None)
         return jax.checkpoint(inner, policy=policy)
     if kind == "vmap":

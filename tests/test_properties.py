@@ -90,14 +90,15 @@ import jaxstate
 
 
 #
-# Hypothesis profiles. The default run (1,000 examples) takes about 35 s on two
-# cores; `JAXSTATE_HYPOTHESIS_PROFILE=nightly` runs 10,000, `quick` 100.
+# Hypothesis profiles. The default run (800 examples) takes about 40 s on two
+# cores; `JAXSTATE_HYPOTHESIS_PROFILE=nightly` runs 10,000 (about 11 minutes),
+# `quick` 100.
 # No example database is written (the repository does not ignore `.hypothesis/`);
 # a failure prints a `@reproduce_failure` blob instead.
 #
 settings.register_profile(
     "jaxstate-default",
-    max_examples=1000,
+    max_examples=800,
     deadline=None,
     database=None,
     print_blob=True,
@@ -200,6 +201,22 @@ def _valid_stack(stack) -> bool:
             # `test_known_limit_cond_with_state_in_a_scan_under_grad`).
             loops = [j for j, b in enumerate(below) if b in LOOP_KINDS]
             if loops and any(b in ("cond", "switch") for b in below[loops[0] :]):
+                return False
+        if k in ("vmap", "jit_vmap", "hessian") or (k == "map" and stack[i].batch):
+            # JAX bug, also for raw refs: a loop reading state in a checkpoint
+            # under reverse mode under a vmap does not compile
+            # (`test_known_limit_loop_in_a_checkpoint_under_grad_under_vmap`).
+            # `jax.hessian` is `jacfwd` (a vmap) of `jacrev`.
+            rest = kinds[i:] if k == "hessian" else below
+            rev = [
+                j for j, b in enumerate(rest) if b in ("grad", "hessian", "linearize")
+            ]
+            ckpt = [
+                j
+                for j, b in enumerate(rest)
+                if b == "checkpoint" and rev and j > rev[0]
+            ]
+            if ckpt and any(b in (*LOOP_KINDS, "while") for b in rest[ckpt[0] :]):
                 return False
         if k == "map" and stack[i].batch:
             # JAX bug, with or without state: `lax.map(f, xs, batch_size=2)` fails
@@ -477,6 +494,29 @@ def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
     loss = lambda p: jax.checkpoint(checkpointed)(p, jnp.float32(3.0))
     assert jax.grad(loss)(jnp.float32(1.0)) == 1.0  # the declared derivative
     assert value() == 2.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="JAX 0.10 bug, also for raw jax.Refs: a scan that reads state, in a "
+    "checkpoint, under grad (or jax.hessian, linearize), under vmap, fails to compile: "
+    "`_closed_call_discharge_rule() got an unexpected keyword argument 'name'`",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_loop_in_a_checkpoint_under_grad_under_vmap(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(2.0), kind="no_grad_no_remat")
+        get = lambda: lax.stop_gradient(ref[...])
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(2.0))
+        get = lambda: jaxstate.get_state(index)
+
+    def f(p):
+        return lax.scan(lambda c, _: (c, get() * p), 0, length=1)[1].sum() * p
+
+    grads = jax.jit(jax.vmap(jax.grad(jax.checkpoint(f))))(jnp.ones(2))
+    np.testing.assert_array_equal(grads, [4.0, 4.0])
 
 
 #
