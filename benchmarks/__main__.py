@@ -18,7 +18,18 @@ import jax.numpy as jnp
 
 import jaxstate
 
-from . import profile_jit, s1_dispatch, s2_cnn, s3_many, s4_memory, s5_loops
+from . import (
+    _s6,
+    profile_jit,
+    s1_dispatch,
+    s2_cnn,
+    s3_many,
+    s4_memory,
+    s5_loops,
+    s6_cnn,
+    s6_decode,
+    s6_mlp,
+)
 from ._harness import (
     check,
     Config,
@@ -33,7 +44,9 @@ from ._report import render
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ["S1", "S2", "S3", "S4", "S5"]
+SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c"]
+# `--only S6` runs the three real programs.
+ALIASES = {"S6": ["S6a", "S6b", "S6c"]}
 
 
 class _NoBar:
@@ -110,9 +123,32 @@ def _timed_scenario(
     return res
 
 
+def _port_targets(res: ScenarioResult, peer: str, rows: list[str]) -> list[Target]:
+    """Issue 12, point 3: a program ported to jaxstate but kept on the same
+    `eqx.filter_jit` (or on `jax.jit`) against the same program with
+    `eqx.nn.State`, for information."""
+    out = []
+    for name in rows:
+        for mode in ("pipelined", "blocked"):
+            r = res.ratio(name, mode, peer)
+            out.append(
+                Target(
+                    f"{name} / {peer} ({mode})",
+                    r,
+                    "≤ 1×",
+                    r <= 1,
+                    primary=False,
+                )
+            )
+    return out
+
+
 def run_s1(cfg: Config) -> ScenarioResult:
     res = _timed_scenario(s1_dispatch, cfg, s1_dispatch.variants(cfg))
     res.targets += _ratio_targets(res, "jaxstate.jit", 1.15)
+    res.targets += _port_targets(
+        res, s1_dispatch.ROWS[4], [s1_dispatch.ROWS[3], s1_dispatch.ROWS[2]]
+    )
     res.notes.append(
         "Every row runs the same arithmetic from the same weights on the same "
         "batch (checked above). Rows marked [twin] are a peer's own step with its "
@@ -126,6 +162,7 @@ def run_s2(cfg: Config) -> ScenarioResult:
     cfg = _full(cfg, rounds=11, chunk_s=0.25)
     res = _timed_scenario(s2_cnn, cfg, s2_cnn.variants(cfg))
     res.targets += _ratio_targets(res, "jaxstate.jit", 1.03)
+    res.targets += _port_targets(res, s2_cnn.ROWS[3], [s2_cnn.ROWS[2]])
     return res
 
 
@@ -228,12 +265,42 @@ def run_s5(cfg: Config) -> ScenarioResult:
     return res
 
 
+def _run_s6(module, cfg: Config, peer: str | None = None) -> ScenarioResult:
+    res = _timed_scenario(module, cfg, module.variants(cfg))
+    res.targets += _ratio_targets(res, _s6.JAXSTATE_JIT, _s6.GOAL)
+    if peer is not None:
+        res.targets += _port_targets(res, peer, [_s6.FILTER_JIT, _s6.JAX_JIT])
+    res.notes.append(
+        "Rows: the hand-threaded baseline (every piece of state an argument and a "
+        "result of `jax.jit`, donated), the same program with jaxstate's layers "
+        "compiled by `jaxstate.jit`, `eqx.filter_jit` and `jax.jit`, and the peer "
+        "library's own way. The results line compares the loss (or logits), "
+        "parameters and every piece of state after the same steps."
+    )
+    return res
+
+
+def run_s6a(cfg: Config) -> ScenarioResult:
+    return _run_s6(s6_mlp, cfg, s6_mlp.EQX)
+
+
+def run_s6b(cfg: Config) -> ScenarioResult:
+    return _run_s6(s6_cnn, cfg)
+
+
+def run_s6c(cfg: Config) -> ScenarioResult:
+    return _run_s6(s6_decode, cfg, s6_decode.EQX)
+
+
 RUNNERS: dict[str, Callable[[Config], ScenarioResult]] = {
     "S1": run_s1,
     "S2": run_s2,
     "S3": run_s3,
     "S4": run_s4,
     "S5": run_s5,
+    "S6a": run_s6a,
+    "S6b": run_s6b,
+    "S6c": run_s6c,
 }
 
 
@@ -249,7 +316,7 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         return None
     out: dict = {"missed": missed, "cases": []}
     cases = [("S1", s1_dispatch)]
-    for key, module in (("S3", s3_many), ("S5", s5_loops)):
+    for key, module in (("S3", s3_many), ("S5", s5_loops), ("S6b", s6_cnn)):
         if key in results and not results[key].met:
             cases.append((key, module))
     for key, module in cases:
@@ -258,6 +325,13 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
             hand = s1_dispatch._hand_variant()
             nxt = lambda out, a: (out[0], a[1])
             calls = cfg.profile_calls
+        elif key == "S6b":
+            fun, model, opt_state, metrics = s6_cnn.js_setup()
+            x, y = s6_cnn.batches("NCHW")[0]
+            args = (model, opt_state, metrics, x, y)
+            hand = s6_cnn._hand_variant()
+            nxt = lambda out, a: (out[0], out[1], *a[2:])
+            calls = max(70, cfg.profile_calls // 6)
         elif key == "S5":
             xs, s0 = s5_loops._data()
             index = jaxstate.StateIndex(init=jnp.asarray(s0))
@@ -362,10 +436,15 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         "--no-profile", action="store_true", help="skip the jaxstate.jit profile"
     )
     args = parser.parse_args(argv)
-    only = [s.strip().upper() for s in args.only.split(",") if s.strip()]
-    unknown = [s for s in only if s not in SCENARIOS]
-    if unknown:
-        parser.error(f"unknown scenario(s) {unknown}; choose from {SCENARIOS}")
+    canonical = {s.upper(): s for s in [*SCENARIOS, *ALIASES]}
+    only = []
+    for s in (s.strip().upper() for s in args.only.split(",") if s.strip()):
+        if s not in canonical:
+            parser.error(
+                f"unknown scenario {s!r}; choose from {SCENARIOS} (or S6 for all "
+                "of S6a, S6b, S6c)"
+            )
+        only += ALIASES.get(canonical[s], [canonical[s]])
     selected = only or SCENARIOS
     cfg = Config.make(args.quick)
     load_start = _load()

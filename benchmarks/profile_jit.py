@@ -36,6 +36,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 
 import jaxstate
 
@@ -46,7 +47,7 @@ TF_IS_LEAF = "jtu.tree_flatten(arguments, is_leaf=is_leaf): the flatten inside t
 KEY_IS = "key compared by identity with the last call's key"
 GET_KEY = "cache.get(key) with an equal, new key (hash + ==): an identity miss"
 CALL = "Call(parts) with the call's parts"
-LOCK = "with state_lock: (enter and leave)"
+LOCK = "the call's state checkout and release, and critical() (enter and leave)"
 READ_BUFS = "list(map(_get_buf, call.impls)): read the state buffers"
 WRITE_BACK = "write-back loop: impl._buf = buf for each of call.impls"
 UNFLATTEN = "output tree_unflatten: op.treedef.unflatten for each output part"
@@ -379,6 +380,37 @@ def _capture(J, compiled, go: Callable[[], Any]) -> tuple[Any, Any]:
     return box["call"], box["out"]
 
 
+def _locker(ids: list[int]) -> Callable[[], Any]:
+    """What `__call__` does to hold the call's states: a checkout and release
+    around a `critical()` section (src/jaxstate/_lock.py), or, in older src/, the
+    one `state_lock`."""
+    try:
+        from jaxstate._lock import checkout, critical, release
+    except ImportError:
+        from jaxstate._storage import state_lock  # pyright: ignore
+
+        def locked():
+            with state_lock:
+                pass
+
+        return locked
+
+    def held():
+        checkout(ids)
+        try:
+            with critical():
+                pass
+        finally:
+            release(ids)
+
+    return held
+
+
+def _is_array(x) -> bool:
+    # What `jaxstate.jit` passes as an array argument of its own (no `Part`).
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def _n_modules(treedef) -> int:
     data = treedef.node_data()
     own = int(
@@ -394,7 +426,6 @@ def _micro(J, plain, timed, state, call_timed, calls):
     instrumented wrapper (clocks off) did: (reference, skipped, counts, facts).
     Whatever this src/ has no counterpart for is skipped, with the reason."""
     from jaxstate import _jit_args as A
-    from jaxstate._storage import state_lock
 
     m = max(200, calls // 5)
     out: dict[str, float] = {}
@@ -409,18 +440,13 @@ def _micro(J, plain, timed, state, call_timed, calls):
             skipped[label] = f"{type(e).__name__}: {e}"[:120]
 
     fun, args = plain.fun, state["timed"]
-    objs = [a for a in args if not A.is_array(a)]
+    objs = [a for a in args if not _is_array(a)]
     tree = (fun, {}, args)
     counts[N_LEAVES] = len(jtu.tree_leaves(tree, is_leaf=A.is_leaf))
     # What a memo miss would do: analyse every argument that is not an array.
     add(ANALYSE, lambda: lambda: [A.analyse(a) for a in objs])
     add(TF_IS_LEAF, lambda: lambda: jtu.tree_flatten(tree, is_leaf=A.is_leaf))
 
-    def locked():
-        with state_lock:
-            pass
-
-    add(LOCK, lambda: locked)
     try:
         memo, last = timed.memo, timed.last
         entries = [memo.entries.get(id(a)) for a in objs]
@@ -432,6 +458,7 @@ def _micro(J, plain, timed, state, call_timed, calls):
         for label in (KEY_IS, GET_KEY, CALL, READ_BUFS, WRITE_BACK, UNFLATTEN):
             skipped[label] = why
         return out, skipped, counts, facts
+    add(LOCK, lambda: _locker(list(getattr(call, "ids", []) or [])))
     facts[MEMO_HITS] = f"{hits} of {len(objs)}"
     last_key = last[0] if last is not None else ()
     key = call.key
@@ -450,7 +477,7 @@ def _micro(J, plain, timed, state, call_timed, calls):
     # fails) an equal key that is a new object, looked up by hash and `==`.
     add(KEY_IS, lambda: lambda: all(map(operator.is_, key, last_key)))
     parts = [A.analyse(fun), A.analyse({})]
-    parts += [a if A.is_array(a) else A.analyse(a) for a in args]
+    parts += [a if _is_array(a) else A.analyse(a) for a in args]
     new_key = J.Call(parts).key
     if timed.cache.get(new_key) is timed.last[1]:
         add(GET_KEY, lambda: lambda: timed.cache.get(new_key))

@@ -98,7 +98,9 @@ def _js_variant(name, wrap):
     model = on_device(
         JSNet(
             _linear(w, b),
-            jaxstate.nn.BatchNorm(WIDTH, "batch", eps=EPS, momentum=MOMENTUM),
+            jaxstate.nn.BatchNorm(
+                WIDTH, "batch", eps=EPS, momentum=MOMENTUM, mode="batch"
+            ),
         )
     )
     x = on_device(jnp.asarray(x))
@@ -507,7 +509,9 @@ def profile_setup():
     model = on_device(
         JSNet(
             _linear(w, b),
-            jaxstate.nn.BatchNorm(WIDTH, "batch", eps=EPS, momentum=MOMENTUM),
+            jaxstate.nn.BatchNorm(
+                WIDTH, "batch", eps=EPS, momentum=MOMENTUM, mode="batch"
+            ),
         )
     )
     return js_step, (model, on_device(jnp.asarray(x)))

@@ -1,10 +1,13 @@
 """S2, compute-bound: the digits CNN training step of examples/train_digits.py
-(conv-BN-relu, conv-BN-relu, max pool, linear; Adam), batch 128.
+(conv-BN-relu, conv-BN-relu, max pool, dropout, linear; Adam), batch 128.
 
-The jaxstate variants run the example's own `CNN` and `train_step` (compiled three
-ways); the hand-threaded baseline and `eqx.nn.State` rebuild the same network from
-the same layers with the BatchNorm statistics threaded through the step. Four fixed
-batches of the digits training set are cycled through, the same for every variant.
+The jaxstate variants run the example's own `CNN` (with Equinox's BatchNorm rule,
+`bn_mode="batch"`, so that every variant stores the same statistics) and
+`train_step` (compiled three ways); the hand-threaded baseline and `eqx.nn.State`
+rebuild the same network from the same layers with the BatchNorm statistics and
+the dropout key and counter threaded through the step (`eqx.nn.Dropout` with the
+key the jaxstate layer's stream gives: the same masks). Four fixed batches of the
+digits training set are cycled through, the same for every variant.
 """
 
 import importlib.util
@@ -71,8 +74,21 @@ def _cycler(batches, call):
     return step
 
 
+def dropout_key(rng, axis_name="batch"):
+    """The key `jaxstate.nn.Dropout(axis_name=...)` uses for this example, from its
+    stream's (key data, counter), threaded by hand."""
+    key_data, counter = rng
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), counter)
+    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def next_rng(rng):
+    return rng[0], rng[1] + 1
+
+
 class HandCNN(eqx.Module):
-    """The example's CNN with its BatchNorm statistics passed in and returned."""
+    """The example's CNN with its BatchNorm statistics and its dropout stream
+    passed in (and the statistics returned)."""
 
     conv1: eqx.nn.Conv2d
     bn1_weight: jax.Array
@@ -81,6 +97,7 @@ class HandCNN(eqx.Module):
     bn2_weight: jax.Array
     bn2_bias: jax.Array
     pool: eqx.nn.MaxPool2d
+    dropout: eqx.nn.Dropout
     head: eqx.nn.Linear
 
     def __init__(self, cnn):
@@ -92,14 +109,16 @@ class HandCNN(eqx.Module):
         )
         self.bn1_weight, self.bn1_bias = cnn.bn1.weight, cnn.bn1.bias
         self.bn2_weight, self.bn2_bias = cnn.bn2.weight, cnn.bn2.bias
+        self.dropout = eqx.nn.Dropout(cnn.dropout.p)
 
-    def __call__(self, stats, x):
+    def __call__(self, stats, rng, x):
         bn = dict(axis_name="batch", momentum=MOMENTUM)
         x, s1 = hand_bn(self.bn1_weight, self.bn1_bias, stats[0], self.conv1(x), **bn)
         x = jax.nn.relu(x)
         x, s2 = hand_bn(self.bn2_weight, self.bn2_bias, stats[1], self.conv2(x), **bn)
         x = jax.nn.relu(x)
-        return self.head(jnp.ravel(self.pool(x))), (s1, s2)
+        x = self.dropout(jnp.ravel(self.pool(x)), key=dropout_key(rng))
+        return self.head(x), (s1, s2)
 
 
 class EqxCNN(eqx.Module):
@@ -110,6 +129,8 @@ class EqxCNN(eqx.Module):
     conv2: eqx.nn.Conv2d
     bn2: eqx.nn.BatchNorm
     pool: eqx.nn.MaxPool2d
+    dropout: eqx.nn.Dropout
+    rng: eqx.nn.StateIndex
     head: eqx.nn.Linear
 
     def __init__(self, cnn):
@@ -121,15 +142,20 @@ class EqxCNN(eqx.Module):
         )
         self.bn1 = eqx.nn.BatchNorm(16, "batch", momentum=MOMENTUM, mode="batch")
         self.bn2 = eqx.nn.BatchNorm(32, "batch", momentum=MOMENTUM, mode="batch")
+        self.dropout = eqx.nn.Dropout(cnn.dropout.p)
+        # The dropout stream's key and counter, in Equinox's own state.
+        self.rng = eqx.nn.StateIndex(cnn.dropout.rng.state.unsafe_get())
 
     def __call__(self, x, state):
         x, state = self.bn1(self.conv1(x), state)
         x, state = self.bn2(self.conv2(jax.nn.relu(x)), state)
-        return self.head(jnp.ravel(self.pool(jax.nn.relu(x)))), state
+        key = dropout_key(state.get(self.rng))
+        x = self.dropout(jnp.ravel(self.pool(jax.nn.relu(x))), key=key)
+        return self.head(x), state
 
 
 def _cnn(ex):
-    return on_device(ex.CNN(jax.random.key(0), momentum=MOMENTUM))
+    return on_device(ex.CNN(jax.random.key(0), momentum=MOMENTUM, bn_mode="batch"))
 
 
 def _js_variant(ex, batches, name, wrap):
@@ -150,37 +176,40 @@ def _js_variant(ex, batches, name, wrap):
         for i, bn in ((1, m.bn1), (2, m.bn2)):
             out[f"bn{i}_mean"], out[f"bn{i}_var"] = bn.batch_state.unsafe_get()
             out[f"bn{i}_counter"] = bn.counter.unsafe_get()
+        out["dropout_counter"] = m.dropout.rng.count
         return out
 
     return Variant(name, "jaxstate", _cycler(batches, call), result, twin=BASELINE)
 
 
 def _hand_variant(ex, batches):
-    net = HandCNN(_cnn(ex))
+    cnn = _cnn(ex)
+    net = HandCNN(cnn)
     params, static = eqx.partition(net, eqx.is_array)
     stats = (bn_init_stats(16), bn_init_stats(32))
+    rng = on_device(cnn.dropout.rng.state.unsafe_get())
     opt = on_device(ex.adam_init(params))
 
-    def fn(params, stats, opt, x, y):
+    def fn(params, stats, rng, opt, x, y):
         def loss_fn(params):
             logits, new_stats = jax.vmap(
                 eqx.combine(params, static),
-                in_axes=(None, 0),
+                in_axes=(None, None, 0),
                 out_axes=(0, None),
                 axis_name="batch",
-            )(stats, x)
+            )(stats, rng, x)
             return ex.cross_entropy(logits, y), new_stats
 
         (loss, stats), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt = ex.adam_update(grads, opt, LR)
-        return eqx.apply_updates(params, updates), stats, opt, loss
+        return eqx.apply_updates(params, updates), stats, next_rng(rng), opt, loss
 
-    f = jax.jit(fn, donate_argnums=1)
-    box = [params, stats, opt]
+    f = jax.jit(fn, donate_argnums=(1, 2))
+    box = [params, stats, rng, opt]
     last = {}
 
     def call(x, y):
-        box[0], box[1], box[2], last["loss"] = f(*box, x, y)
+        box[0], box[1], box[2], box[3], last["loss"] = f(*box, x, y)
         return last["loss"]
 
     def result():
@@ -190,6 +219,7 @@ def _hand_variant(ex, batches):
             mean, var, counter = s[i - 1]
             out[f"bn{i}_mean"], out[f"bn{i}_var"] = mean, var
             out[f"bn{i}_counter"] = counter
+        out["dropout_counter"] = box[2][1]
         return out
 
     return Variant(BASELINE, "baseline", _cycler(batches, call), result)
@@ -209,6 +239,7 @@ def _eqx_variant(ex, batches):
             return ex.cross_entropy(logits, y), new_state
 
         (loss, state), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+        state = state.set(model.rng, next_rng(state.get(model.rng)))
         updates, opt = ex.adam_update(grads, opt, LR)
         return eqx.apply_updates(model, updates), state, opt, loss
 
@@ -225,6 +256,7 @@ def _eqx_variant(ex, batches):
         for i, bn in ((1, m.bn1), (2, m.bn2)):
             out[f"bn{i}_mean"], out[f"bn{i}_var"] = s.get(bn.batch_state_index)
             out[f"bn{i}_counter"] = s.get(bn.batch_counter)
+        out["dropout_counter"] = s.get(m.rng)[1]
         return out
 
     return Variant(

@@ -1,10 +1,13 @@
-"""Train a small CNN with `jaxstate.nn.BatchNorm` on scikit-learn's 8x8 digits.
+"""Train a small CNN with `jaxstate.nn.BatchNorm` and `jaxstate.nn.Dropout` on
+scikit-learn's 8x8 digits.
 
-The BatchNorm running statistics live in jaxstate state: the training step takes
-the model, the optimiser state and the batch, with no BatchNorm state going in or
-coming out, and the statistics update in place as a side effect of the compiled
-step. Compare `equinox.nn.BatchNorm`, where a
-`state` object has to be passed in and returned by every call.
+The BatchNorm running statistics and the dropout layer's random stream live in
+jaxstate state: the training step takes the model, the optimiser state and the
+batch, with no BatchNorm state and no random key going in or coming out; the
+statistics update in place, and dropout draws a new mask every step, as side
+effects of the compiled step. Compare `equinox.nn.BatchNorm` and
+`equinox.nn.Dropout`, where a `state` object and a key have to be passed in (and
+the state returned) by every call.
 
     python examples/train_digits.py              # 20 epochs; ~5-10 s on 2 CPU cores
     python examples/train_digits.py --epochs 5 --quiet   # no progress bar
@@ -43,13 +46,16 @@ import jaxstate
 
 
 class CNN(eqx.Module):
-    """conv-BN-relu, conv-BN-relu, 2x2 max pool, linear. Called on one example of
-    shape (1, 8, 8); batch it with `jax.vmap(model, axis_name="batch")`.
+    """conv-BN-relu, conv-BN-relu, 2x2 max pool, dropout, linear. Called on one
+    example of shape (1, 8, 8); batch it with `jax.vmap(model, axis_name="batch")`
+    (dropout is built with that name, so every example gets its own mask).
 
     BatchNorm's default momentum, 0.99, averages over the last ~100 steps; this run
     is only ~200 steps long and the weights move fast, so 0.9 lets the running
-    statistics (used at test time) keep up. With 0.99 a 5-epoch run can score ~60%
-    in inference mode, on test and training data alike, with a low training loss.
+    statistics (used at test time) keep up. `bn_mode` is BatchNorm's rule for them:
+    "debiased" (the default) is the most accurate early in training (docs/layers.md
+    compares the modes); the benchmarks pass Equinox's "batch" to compare with
+    `eqx.nn.BatchNorm`.
     """
 
     conv1: eqx.nn.Conv2d
@@ -57,21 +63,31 @@ class CNN(eqx.Module):
     conv2: eqx.nn.Conv2d
     bn2: jaxstate.nn.BatchNorm
     pool: eqx.nn.MaxPool2d
+    dropout: jaxstate.nn.Dropout
     head: eqx.nn.Linear
 
-    def __init__(self, key: PRNGKeyArray, momentum: float = 0.9):
-        k1, k2, k3 = jax.random.split(key, 3)
+    def __init__(
+        self,
+        key: PRNGKeyArray,
+        momentum: float = 0.9,
+        dropout: float = 0.2,
+        bn_mode: str = "debiased",
+    ):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
         self.conv1 = eqx.nn.Conv2d(1, 16, kernel_size=3, padding=1, key=k1)
-        self.bn1 = jaxstate.nn.BatchNorm(16, axis_name="batch", momentum=momentum)
+        bn = dict(axis_name="batch", momentum=momentum, mode=bn_mode)
+        self.bn1 = jaxstate.nn.BatchNorm(16, **bn)
         self.conv2 = eqx.nn.Conv2d(16, 32, kernel_size=3, padding=1, key=k2)
-        self.bn2 = jaxstate.nn.BatchNorm(32, axis_name="batch", momentum=momentum)
+        self.bn2 = jaxstate.nn.BatchNorm(32, **bn)
         self.pool = eqx.nn.MaxPool2d(kernel_size=2, stride=2)
+        # Its own random stream, seeded here: no key to pass at training time.
+        self.dropout = jaxstate.nn.Dropout(dropout, key=k4, axis_name="batch")
         self.head = eqx.nn.Linear(32 * 4 * 4, 10, key=k3)
 
     def __call__(self, x: Float[Array, "1 8 8"]) -> Float[Array, "10"]:
         x = jax.nn.relu(self.bn1(self.conv1(x)))
         x = jax.nn.relu(self.bn2(self.conv2(x)))
-        return self.head(jnp.ravel(self.pool(x)))
+        return self.head(self.dropout(jnp.ravel(self.pool(x))))
 
 
 def cross_entropy(logits: Float[Array, "b 10"], labels: Int[Array, " b"]) -> Array:
@@ -117,8 +133,9 @@ def adam_update(
 
 @jaxstate.jit(donate="all")
 def train_step(model: CNN, opt_state: PyTree, x, y, lr: float):
-    # No BatchNorm state goes in or comes out: `model` carries StateIndex keys, and
-    # the running statistics they name are updated in place on the device.
+    # No BatchNorm state and no key go in or come out: `model` carries StateIndex
+    # keys, the running statistics they name are updated in place on the device,
+    # and dropout draws its next key from its own stream.
     # `jaxstate.jit` is `eqx.filter_jit` (arrays traced, the rest static) whose
     # state travels as donated buffers, so each step dispatches like plain `jax.jit`.
     def loss_fn(model):
@@ -136,13 +153,11 @@ def predict(model: CNN, x) -> Int[Array, " b"]:
 
 
 def running_stats(bn: jaxstate.nn.BatchNorm) -> tuple[np.ndarray, np.ndarray, int]:
-    """The statistics inference normalises with (zero-debiased, as BatchNorm does
-    in "batch" mode), and the number of training steps they have seen."""
-    assert bn.batch_state is not None and bn.counter is not None
-    hidden_mean, hidden_var = bn.batch_state.unsafe_get()
-    counter = int(bn.counter.unsafe_get())
-    scale = 1.0 if counter == 0 else 1 - bn.momentum**counter
-    return np.asarray(hidden_mean / scale), np.asarray(hidden_var / scale), counter
+    """The statistics inference normalises with, and the number of training steps
+    they have seen."""
+    assert bn.counter is not None
+    mean, var = bn.running_statistics()
+    return np.asarray(mean), np.asarray(var), int(bn.counter.unsafe_get())
 
 
 def load_data():
@@ -163,6 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=0.9,
         help="BatchNorm running-statistics momentum; default 0.9 (see CNN)",
+    )
+    parser.add_argument(
+        "--dropout", type=float, default=0.2, help="dropout rate; default 0.2"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -259,9 +277,10 @@ def save_plot(path: str | Path, history: dict[str, Any], args) -> Path:
     ax_bn.grid(True, alpha=0.3)
 
     fig.suptitle(
-        f"CNN with jaxstate.nn.BatchNorm on scikit-learn digits: {args.epochs} epochs "
-        f"of {steps_per_epoch} steps, batch {args.batch_size}, Adam lr {args.lr:g}, "
-        f"BatchNorm momentum {args.bn_momentum:g}"
+        f"CNN with jaxstate.nn.BatchNorm and Dropout on scikit-learn digits: "
+        f"{args.epochs} epochs of {steps_per_epoch} steps, batch {args.batch_size}, "
+        f"Adam lr {args.lr:g}, BatchNorm momentum {args.bn_momentum:g}, dropout "
+        f"{args.dropout:g}"
     )
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -282,7 +301,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{n_batches} steps of {args.batch_size} per epoch, {args.epochs} epochs"
     )
 
-    model = CNN(jax.random.key(args.seed), momentum=args.bn_momentum)
+    model = CNN(
+        jax.random.key(args.seed), momentum=args.bn_momentum, dropout=args.dropout
+    )
     opt_state = adam_init(model)
     # Commit the arrays to the device the compiled step's outputs will live on, so
     # that the second step does not compile again for differently placed inputs.
@@ -332,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 bar.update()
             history["test_accuracy"].append(test_accuracy_now(model))
 
-    # Inference mode: normalise with the running statistics, leave them alone.
+    # Inference mode: normalise with the running statistics, leave them alone, and
+    # no dropout.
     eval_model = jaxstate.tree_inference(model, True)
     test_pred = np.asarray(predict(eval_model, jnp.asarray(x_test)))
     train_pred = np.asarray(predict(eval_model, jnp.asarray(x_train)))
@@ -375,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bn1_running_mean": mean1,
         "bn1_running_var": var1,
         "bn1_counter": counter1,
+        "dropout_draws": int(model.dropout.rng.count),
         "wall_s": wall_s,
         "model": model,
         "loss_history": history["loss"],

@@ -1,9 +1,14 @@
 """`jaxstate.nn.BatchNorm` against `equinox.nn.BatchNorm`, step by step.
 
-eqx's layer, with its `State` threaded by hand, is the reference: outputs, running
-statistics and gradients must agree at every step, in both modes, eagerly and
-compiled, and after switching to inference.
+eqx's layer, with its `State` threaded by hand, is the reference for modes "batch"
+and "ema": outputs, running statistics and gradients must agree at every step,
+eagerly and compiled, and after switching to inference. The other two modes
+("debiased", the default, and "flax") are checked against their rules written out
+here, and "flax" against Flax NNX's own layer; tests/test_nn_batch_norm_modes.py
+checks what the default is for.
 """
+
+import warnings
 
 import equinox as eqx
 import jax
@@ -55,7 +60,7 @@ def _apply_theirs(theirs, x, state, **kwargs):
 def _stats(bn: jaxstate.nn.BatchNorm):
     """Every piece of our state, as numpy: the running statistics and the flag or
     counter next to them."""
-    if bn.mode == "batch":
+    if bn.mode != "ema":
         assert bn.batch_state is not None and bn.counter is not None
         state = (bn.batch_state.unsafe_get(), bn.counter.unsafe_get())
     else:
@@ -207,7 +212,7 @@ def test_inference_leaves_state_alone(mode, how):
 
 
 def test_eqx_inference_mode_also_works():
-    ours = jaxstate.nn.BatchNorm(C, "batch")
+    ours = jaxstate.nn.BatchNorm(C, "batch", mode="batch")
     theirs, state = _theirs("batch")
     for step in range(STEPS):
         x = _data(step, _shape(False))
@@ -259,7 +264,7 @@ def test_call_time_inference_override(mode, how):
 
 
 def test_inference_at_construction():
-    ours = jaxstate.nn.BatchNorm(C, "batch", inference=True)
+    ours = jaxstate.nn.BatchNorm(C, "batch", inference=True, mode="batch")
     theirs, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
         C, "batch", mode="batch", inference=True
     )
@@ -448,7 +453,7 @@ def test_two_axis_names(mode, how):
 #
 
 
-@pytest.mark.parametrize("mode", ["batch", "ema"])
+@pytest.mark.parametrize("mode", ["debiased", "batch", "flax", "ema"])
 def test_ensemble(mode):
     n = 2
     ens = eqx.filter_vmap(lambda _: jaxstate.nn.BatchNorm(C, "batch", mode=mode))(
@@ -535,13 +540,10 @@ def test_bad_input_leaves_state_alone(mode, wrong_type_raises):
         jax.jit(lambda bn, x: jax.vmap(bn, axis_name="other")(x))(ours, x)
     unchanged()
 
-    # Statistics that cannot be stored (float32 data into bfloat16 statistics).
-    low = jaxstate.nn.BatchNorm(C, "batch", mode=mode, dtype=jnp.bfloat16)
-    low_before = _stats(low)
-    with pytest.raises(RuntimeError, match="dtype"):
-        _ours_fn(low, x)
-    _assert_trees_equal(_stats(low)[1], low_before[1])
-    _assert_trees_equal(_stats(low)[0], low_before[0])
+    # Complex input into real statistics: a clear error, nothing written.
+    with wrong_type_raises(TypeError, match="BatchNorm.*complex.*dtype="):
+        _ours_fn(ours, x.astype(jnp.complex64))
+    unchanged()
 
     # After all that, the next step still agrees with eqx.
     x = _data(1, _shape(True))
@@ -550,7 +552,7 @@ def test_bad_input_leaves_state_alone(mode, wrong_type_raises):
     _assert_trees_close(_stats(ours), _their_stats(theirs, state))
 
 
-@pytest.mark.parametrize("mode", ["legacy", "EMA", "", None])
+@pytest.mark.parametrize("mode", ["legacy", "EMA", "", "nnx", 1])
 def test_invalid_mode(mode, wrong_type_raises):
     with wrong_type_raises(ValueError, match="mode"):
         jaxstate.nn.BatchNorm(C, "batch", mode=mode)  # type: ignore[arg-type]
@@ -559,12 +561,13 @@ def test_invalid_mode(mode, wrong_type_raises):
 @pytest.mark.parametrize("momentum", [0.0, 1.0, -0.1, 1.5])
 def test_invalid_momentum(momentum):
     with pytest.raises(ValueError, match="momentum"):
-        jaxstate.nn.BatchNorm(C, "batch", momentum=momentum)
+        jaxstate.nn.BatchNorm(C, "batch", momentum=momentum, mode="debiased")
 
 
 def test_defaults():
-    bn = jaxstate.nn.BatchNorm(C, "batch")
-    assert bn.mode == "batch"
+    with pytest.warns(UserWarning, match="mode"):
+        bn = jaxstate.nn.BatchNorm(C, "batch")
+    assert bn.mode == "debiased"
     assert bn.momentum == 0.99 and bn.eps == 1e-5
     assert not bn.inference
     assert bn.weight is not None and bn.weight.dtype == jnp.float32
@@ -572,6 +575,107 @@ def test_defaults():
     mean, var = _stats(bn)[0]
     np.testing.assert_array_equal(mean, np.zeros(C))
     np.testing.assert_array_equal(var, np.ones(C))
+    # Untrained, inference is the identity (up to eps), as in the other modes.
+    x = _data(0, _shape(True))
+    out = _ours_fn(jaxstate.tree_inference(bn, True), x)
+    np.testing.assert_allclose(out, x / np.sqrt(1 + 1e-5), **TOL)
     # No leaves for the state: only the affine parameters are trainable arrays.
     leaves = jax.tree.leaves(eqx.filter(bn, eqx.is_array))
     assert len(leaves) == 2
+
+
+#
+# Porting from Equinox: `mode` unset
+#
+
+
+def test_unset_mode_warns_how_to_get_equinox_numbers():
+    # eqx.nn.BatchNorm with `mode` unset is "ema" (and warns); ours is "debiased".
+    # The warning says so, names the fix, and points at the caller's line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bn = jaxstate.nn.BatchNorm(C, "batch")
+        theirs = eqx.nn.BatchNorm(C, "batch")
+    ours_w = [w for w in caught if "jaxstate" in str(w.message)]
+    assert len(ours_w) == 1 and ours_w[0].category is UserWarning
+    message = str(ours_w[0].message)
+    assert "'debiased'" in message and "mode='ema'" in message
+    assert "mode='batch'" in message and "silence" in message
+    assert ours_w[0].filename == __file__
+    assert theirs.mode == "ema" and bn.mode == "debiased"
+    # The numbers differ, as the warning says (so it is not a false alarm)...
+    x = _data(0, _shape(True))
+    state = eqx.nn.State(theirs)
+    _ours_fn(bn, x)
+    _, state = _apply_theirs(theirs, x, state)
+    x = _data(1, _shape(True))
+    expected, state = _apply_theirs(theirs, x, state)
+    assert not np.allclose(_ours_fn(bn, x), expected, **TOL)
+    # ... and the fix it names gives Equinox's numbers.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = jaxstate.nn.BatchNorm(C, "batch", mode="ema")
+    theirs, state = _theirs("ema")
+    for step in range(2):
+        x = _data(step, _shape(True))
+        expected, state = _apply_theirs(theirs, x, state)
+        np.testing.assert_allclose(_ours_fn(fixed, x), expected, **TOL)
+
+
+@pytest.mark.parametrize("mode", ["debiased", "batch", "flax", "ema"])
+def test_explicit_mode_does_not_warn(mode):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxstate.nn.BatchNorm(C, "batch", mode=mode)
+        eqx.filter_vmap(lambda _: jaxstate.nn.BatchNorm(C, "b", mode=mode))(
+            jnp.arange(2)
+        )
+
+
+#
+# Other dtypes
+#
+
+
+@pytest.mark.parametrize(
+    "x_dtype, bn_dtype",
+    [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)],
+    ids=["bf16_into_f32", "f32_into_bf16"],
+)
+@pytest.mark.parametrize("mode", ["debiased", "batch", "flax", "ema"])
+def test_input_of_another_dtype_is_cast(mode, x_dtype, bn_dtype):
+    # bfloat16 activations into float32 statistics (mixed precision) and the
+    # reverse: the statistics are computed in the wider dtype and stored in the
+    # layer's. The reference is a float32 layer given the same values in float32.
+    bn = jaxstate.nn.BatchNorm(C, "batch", mode=mode, dtype=bn_dtype)
+    ref = jaxstate.nn.BatchNorm(C, "batch", mode=mode)
+    tol = dict(rtol=3e-2, atol=3e-2)
+    for step in range(3):
+        x = _data(step, _shape(True)).astype(x_dtype)
+        out = jax.jit(_ours_fn)(bn, x)
+        expected = _ours_fn(ref, x.astype(jnp.float32))
+        assert out.shape == x.shape
+        np.testing.assert_allclose(np.asarray(out, np.float32), expected, **tol)
+    stats, ref_stats = _stats(bn), _stats(ref)
+    assert all(s.dtype == bn_dtype for s in stats[0])
+    _assert_trees_close(
+        jax.tree.map(lambda s: s.astype(np.float32), stats), ref_stats, **tol
+    )
+    x = _data(5, _shape(True)).astype(x_dtype)
+    out = _ours_fn(jaxstate.tree_inference(bn, True), x)
+    expected = _ours_fn(jaxstate.tree_inference(ref, True), x.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, **tol)
+
+
+def test_under_x64():
+    with jax.enable_x64(True):
+        bn = jaxstate.nn.BatchNorm(C, "batch", mode="debiased")
+        theirs, state = _theirs("batch")
+        ours = jaxstate.nn.BatchNorm(C, "batch", mode="batch")
+        for step in range(2):
+            x = _data(step, _shape(True)).astype(jnp.float64)
+            jax.jit(_ours_fn)(bn, x)
+            expected, state = _apply_theirs(theirs, x, state)
+            np.testing.assert_allclose(jax.jit(_ours_fn)(ours, x), expected, **TOL)
+        assert bn.batch_state is not None
+        assert bn.batch_state.unsafe_get()[0].dtype == jnp.float64

@@ -45,8 +45,13 @@ def test_demo_trains(train_digits):
     assert np.abs(var - 1).max() > 1e-2
     hidden_mean, _ = model.bn1.batch_state.unsafe_get()
     assert np.abs(np.asarray(hidden_mean)).max() > 1e-2
+    # Dropout drew one mask per training step from its own stream, and none while
+    # evaluating (inference mode).
+    assert result["dropout_draws"] == result["steps"]
+    assert int(model.dropout.rng.count) == result["steps"]
     # The returned model is the training one; the evaluation used a switched copy.
     assert not model.bn1.inference
+    assert not model.dropout.inference
 
 
 def test_demo_prints_summary(train_digits, capsys):
@@ -60,8 +65,11 @@ def test_demo_prints_summary(train_digits, capsys):
 def test_demo_flags(train_digits):
     args = train_digits.parse_args([])
     assert args.epochs >= 15 and args.batch_size == 128 and not args.quiet
-    args = train_digits.parse_args(["--epochs", "2", "--seed", "3", "--quiet"])
-    assert (args.epochs, args.seed, args.quiet) == (2, 3, True)
+    assert 0 < args.dropout < 1
+    args = train_digits.parse_args(
+        ["--epochs", "2", "--seed", "3", "--quiet", "--dropout", "0.1"]
+    )
+    assert (args.epochs, args.seed, args.quiet, args.dropout) == (2, 3, True, 0.1)
     with pytest.raises(SystemExit):
         train_digits.parse_args(["--no-such-flag"])
 

@@ -148,17 +148,17 @@ def test_index_flag_that_is_not_a_bool(flag, wrong_type_raises):
         jaxstate.StateIndex(flag)
 
 
-def test_bad_state_values_name_the_problem():
+def test_bad_state_values_name_the_problem(wrong_type_raises):
     index = jaxstate.StateIndex(init=jnp.zeros(2))
     key = jaxstate.StateIndex(init=jax.random.key(0))
     with pytest.raises(RuntimeError, match="key<fry>\\[\\].*float32\\[2\\]"):
         jaxstate.set_state(index, jax.random.key(1))
     with pytest.raises(RuntimeError, match="float32\\[\\].*key<fry>\\[\\]"):
         jaxstate.set_state(key, jnp.zeros(()))
-    with pytest.raises(TypeError, match="ShapeDtypeStruct.*no value"):
+    with wrong_type_raises(TypeError, match="ShapeDtypeStruct.*no value"):
         jaxstate.set_state(index, jax.ShapeDtypeStruct((2,), jnp.float32))
-    with pytest.raises(TypeError, match="jax.Ref.*`ref\\[...\\]`"):
+    with wrong_type_raises(TypeError, match="jax.Ref.*`ref\\[...\\]`"):
         jaxstate.set_state(index, jax.new_ref(jnp.zeros(2)))
-    with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+    with wrong_type_raises(TypeError, match="ShapeDtypeStruct"):
         jaxstate.StateIndex(init=jax.ShapeDtypeStruct((2,), jnp.float32))
     np.testing.assert_array_equal(index.unsafe_get(), [0.0, 0.0])

@@ -194,3 +194,56 @@ def test_returned_indices_are_reused_and_keep_their_flags():
     with pytest.raises(RuntimeError, match="inference mode"):
         step(frozen2)
     assert float(model.a.unsafe_get()) == 2.0
+
+
+def test_optimiser_state_is_remembered_too(monkeypatch):
+    # An optax state holds copies of the model (with its indices) in `mu`/`nu`:
+    # a tuple of named tuples, immutable, so remembered like a module.
+    import optax
+
+    optim = optax.adam(1e-2)
+
+    @jaxstate.jit
+    def step(model, opt_state, x):
+        jaxstate.set_state(model.a, jaxstate.get_state(model.a) + 1)
+        grads = jtu.tree_map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+        updates, opt_state = optim.update(grads, opt_state)
+        return eqx.apply_updates(model, updates), opt_state, x + 1
+
+    model = Two()
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    x = jnp.zeros(())
+    model, opt_state, x = step(model, opt_state, x)
+    calls = _count_analyses(monkeypatch)
+    for _ in range(4):
+        model, opt_state, x = step(model, opt_state, x)
+    assert calls == []
+    assert model.a.unsafe_get() == 5.0
+    assert int(opt_state[0].count) == 5
+
+
+def test_tuples_holding_lists_or_dicts_are_worked_out_every_call():
+    @jaxstate.jit
+    def total(pair):
+        return sum(pair[0]) + pair[1]["b"]
+
+    pair = ([jnp.array(1.0)], {"b": jnp.array(1.0)})
+    assert total(pair) == 2.0
+    pair[0][0] = jnp.array(5.0)
+    pair[1]["b"] = jnp.array(2.0)
+    assert total(pair) == 7.0
+
+
+def test_several_stateful_arguments_renumbered_when_they_change():
+    @jaxstate.jit
+    def step(a, b):
+        jaxstate.set_state(a.a, jaxstate.get_state(a.a) + 1)
+        jaxstate.set_state(b.b, jaxstate.get_state(b.b) + 10)
+
+    m1, m2, m3 = Two(), Two(), Two()
+    for _ in range(2):
+        step(m1, m2)
+    step(m1, m3)  # another second argument: its own states
+    step(m2, m1)
+    assert [float(m.a.unsafe_get()) for m in (m1, m2, m3)] == [3.0, 1.0, 0.0]
+    assert [float(m.b.unsafe_get()) for m in (m1, m2, m3)] == [10.0, 20.0, 10.0]

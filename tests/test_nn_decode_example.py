@@ -25,6 +25,10 @@ def test_cached_and_uncached_decodes_agree(capsys):
     printed = capsys.readouterr().out
     assert "identical: True" in printed
     assert printed.count("tokens/s") == 2
+    # The padded batch: each sequence as its prompt alone.
+    assert out["batch_same"] and len(out["batch"]) == 4
+    assert "identical to each decoded alone: True" in printed
+    assert len({tuple(b) for b in out["batch"]}) > 1
 
 
 def test_cached_decode_is_the_full_models_greedy_decode():

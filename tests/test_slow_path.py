@@ -83,3 +83,16 @@ def test_it_can_be_silenced():
         warnings.filterwarnings("ignore", category=jaxstate.SlowPathWarning)
         jax.jit(lambda: _bump(index))()
     assert index.unsafe_get() == 1
+
+
+def test_none_for_state_created_inside_the_compiled_function():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxstate.SlowPathWarning)
+
+        @jax.jit
+        def make(x):
+            index = jaxstate.StateIndex(init=x)
+            _bump(index)
+            return index
+
+        assert make(jnp.array(1)).unsafe_get() == 2

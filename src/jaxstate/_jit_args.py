@@ -92,14 +92,20 @@ def _is_node(x) -> bool:
     return isinstance(x, (StateIndex, eqx.Module))
 
 
-def has_mutable_nodes(treedef) -> bool:
-    """Whether a tree holds a list or dict: it can change in place, so an object
-    holding one cannot be remembered as unchanged (see `Memo`). (Not cached: a
-    cache would keep the treedefs, and with them static fields, alive.)"""
+def unchanging(treedef) -> bool:
+    """Whether a tree is built only of nodes that cannot change in place: Equinox
+    modules, tuples (named ones too: optax states) and `None`. An object holding
+    anything else (a list, a dict, another registered type) may be changed in place
+    between calls, so it is worked out again on every call, never remembered (see
+    `Memo`). (Not cached: a cache would keep the treedefs, and with them static
+    fields, alive.)"""
     data = treedef.node_data()
-    if data is not None and issubclass(data[0], (list, dict)):
-        return True
-    return any(map(has_mutable_nodes, treedef.children()))
+    if data is not None and not issubclass(data[0], _UNCHANGING):
+        return False
+    return all(map(unchanging, treedef.children()))
+
+
+_UNCHANGING = (tuple, eqx.Module, type(None))
 
 
 # What the compiled function returns as arrays (anything else stays static).
@@ -135,6 +141,7 @@ class Part:
         "mutable",
         "ids",
         "statics",
+        "layout",
     )
 
     def __init__(
@@ -161,7 +168,7 @@ class Part:
         # The `StateIndex` objects returned for these states, by (slot, flag), kept
         # for the next returned module: rebuilding them costs more than reusing.
         self.indices: dict = {} if indices is None else indices
-        # Whether the argument holds a list or dict (never remembered).
+        # Whether the argument may change in place (never remembered).
         self.mutable: bool = mutable
         # The states whose buffers the call passes (those with a value).
         self.ids: list[int] = (
@@ -169,6 +176,9 @@ class Part:
         )
         # The storages of indices held in static fields.
         self.statics: list[Storage] = list(statics)
+        # How the last call whose first stateful argument this was numbered its
+        # states (see `Call`).
+        self.layout: Any = None
 
 
 def analyse(tree) -> Part:
@@ -204,13 +214,22 @@ def analyse(tree) -> Part:
         handles,
         ref_impls(storages),
         fixed,
-        mutable=has_mutable_nodes(treedef),
+        mutable=not unchanging(treedef),
         statics=statics,
     )
 
 
 _EMPTY_DICT = analyse({})
 _ARRAY_KEY = (jtu.tree_structure(0), (ARRAY,))  # an array argument's key
+
+
+def _same_parts(previous: list, parts: list) -> bool:
+    if len(previous) != len(parts):
+        return False
+    for a, b in zip(previous, parts, strict=True):  # (runs on every call)
+        if a is not b and (a is not None or type(b) is Part):
+            return False
+    return True
 
 
 class Call:
@@ -233,6 +252,7 @@ class Call:
     def __init__(self, parts: list):
         self.parts = parts
         arrays, keys, stateful, n_stateful = [], [], _EMPTY_DICT, 0
+        first: Any = None
         for p in parts:  # (one plain loop: this runs on every call)
             if type(p) is Part:
                 arrays += p.arrays
@@ -240,6 +260,7 @@ class Call:
                 if p.storages:
                     stateful = p
                     n_stateful += 1
+                    first = first or p
             else:
                 arrays.append(p)
                 keys.append(_ARRAY_KEY)
@@ -253,8 +274,30 @@ class Call:
             self.impls = stateful.impls
             self.indices = stateful.indices
             self.ids = stateful.ids
+        elif first.layout is not None and _same_parts(first.layout[0], parts):
+            # The same argument objects as last time (a training loop passing
+            # model, optimiser state, metrics): the same numbering.
+            (
+                _,
+                self.key,
+                self.storages,
+                self.handles,
+                self.impls,
+                self.indices,
+                self.ids,
+            ) = first.layout
         else:
             self._number_across(parts, keys)
+            # Kept on the first stateful part, so that it dies with its object.
+            first.layout = (
+                [p if type(p) is Part else None for p in parts],
+                self.key,
+                self.storages,
+                self.handles,
+                self.impls,
+                self.indices,
+                self.ids,
+            )
 
     def n_first(self) -> int:
         """How many arrays the function, the keyword arguments and the first
@@ -344,7 +387,8 @@ class OutPart:
         self.n = sum(s is ARRAY for s in spec)
         self.only_arrays = self.n == len(spec)
         self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(self.treedef)
-        self.module = isinstance(out, eqx.Module)
+        # Modules and tuples (e.g. an optax state) are remembered when returned.
+        self.module = isinstance(out, (eqx.Module, tuple))
         # Indices in static fields: such a module is worked out when passed in.
         self.statics = bool(self.module and _static_handles(out))
         # Where the arrays, states and indices go among the leaves (see `leaves`).
@@ -387,7 +431,7 @@ class OutPart:
         if (
             0 in slot_sigs.values()
             or self.statics
-            or has_mutable_nodes(self.key_treedef)
+            or not unchanging(self.key_treedef)
             or any(
                 type(s) is Handle or kind(type(s)) == _ARRAY_KIND for s in self.key_spec
             )
@@ -422,13 +466,27 @@ class OutPart:
         return Part(key, arrays, storages, handles, impls, True, indices, ids=ids)
 
 
+class _Held:
+    """A strong stand-in for `weakref.ref`, for objects that have none."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
 class Memo:
     """Parts of argument objects known not to have changed.
 
-    Modules are immutable, so a module passed again (the same object), or returned
-    by the previous call and passed back, has the part it had. Entries are held by
-    weak reference and die with their module; only those of the last call are kept.
-    The wrapped function's part is worked out once (while its states have values).
+    Modules and tuples built only of modules, tuples and arrays are immutable, so
+    such an object passed again (the same object), or returned by the previous call
+    and passed back, has the part it had. Entries of modules are held by weak
+    reference and die with their module; tuples (which have no weak references) are
+    held until the next call. Only the last call's entries are kept. The wrapped
+    function's part is worked out once (while its states have values).
     """
 
     def __init__(self, fun):
@@ -455,12 +513,16 @@ class Memo:
             self.used[key] = entry
             return entry[1]
         part = analyse(tree)
-        if part.fixed and not part.mutable and isinstance(tree, eqx.Module):
+        if part.fixed and not part.mutable and isinstance(tree, (eqx.Module, tuple)):
             self.remember(tree, part)
         return part
 
     def remember(self, tree, part: Part) -> None:
-        self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
+        if isinstance(tree, tuple):
+            # Tuples cannot be weakly referenced: held until the next call.
+            self.used[id(tree)] = (_Held(tree), part)
+        else:
+            self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
 
     def _drop(self, ref) -> None:
         # The module died: forget its part (there are only a call's few entries).

@@ -110,7 +110,9 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     else:
         _check_not_in_shard_map(index, storage, traced_for(), fn)
         if storage.real is None:
-            note_reference_path(stacklevel=4)  # user -> set_state -> _set -> here
+            note_reference_path(
+                storage, stacklevel=4
+            )  # user -> set_state -> _set -> here
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -214,7 +216,7 @@ def get_state(
     enclosing = traced_for()
     _check_not_in_shard_map(index, storage, enclosing, "get_state")
     if storage.real is None:
-        note_reference_path(stacklevel=3)  # user -> get_state -> here
+        note_reference_path(storage, stacklevel=3)  # user -> get_state -> here
     if "while_cond" in enclosing:
         raise RuntimeError(
             "`get_state` was called in the condition of a `lax.while_loop`. JAX's "
@@ -286,10 +288,23 @@ def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
 def _fresh(holder, value) -> jax.Array:
     """A buffer of `value`'s own for a reference: strongly typed, on the
     reference's devices, never aliasing `value` (`jaxstate.jit` donates it)."""
+    sharding = holder._buf.sharding
+    if not sharding.is_fully_addressable:
+        # Spread over several processes: `device_put` cannot place onto other
+        # processes' devices, so the loaders hand over global arrays already laid
+        # out as the state is.
+        if not (isinstance(value, jax.Array) and value.sharding == sharding):
+            raise ValueError(
+                "A state spread over several processes can only be given a global "
+                "array with the same sharding as the state (as `jaxstate.load` and "
+                "`jaxstate.load_checkpoint_tree` build); place the value with "
+                "`jax.make_array_from_callback` first."
+            )
+        return jnp.copy(value)
     value = jnp.asarray(value)
     if _jax.typeof(value).weak_type:
         value = lax.convert_element_type(value, value.dtype)
-    return jax.device_put(value, holder._buf.sharding, may_alias=False)
+    return jax.device_put(value, sharding, may_alias=False)
 
 
 def commit(items: list[tuple[Storage, list]]) -> None:

@@ -10,6 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._index import StateIndex
+from ._ops import commit, snapshot
 from ._storage import redirected, Storage
 
 
@@ -35,8 +36,7 @@ def _indices(tree) -> dict[str, Storage]:
 
 
 def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
-    from ._ops import snapshot
-
+    """The current state, read consistently (see `snapshot`); copies."""
     values = snapshot(list(storages.values()))
     return {
         name: jtu.tree_unflatten(s.treedef, v)
@@ -101,12 +101,14 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
 
     **Returns:**
 
-    A pair `(pure_fun, state)`. `state` is the current state, a dict from the path
-    of each distinct index in `tree` to its value (stacked, for state set under
-    vmap). `pure_fun(state, *args, **kwargs)` runs `fun(*args, **kwargs)` with the
-    state taken from its `state` argument instead of from the device, and returns
-    `(out, new_state)`, leaving the stored state alone. It can be jitted, exported
-    with `jax.export`, differentiated, `pmap`ped.
+    A pair `(pure_fun, state)`. `state` is the current state, read consistently
+    (as [`jaxstate.state_dict`][] reads it): a dict from the name of each distinct
+    state (the path of the first index in `tree` that reaches it) to its value
+    (stacked, for state set under vmap). `pure_fun(state, *args, **kwargs)` runs
+    `fun(*args, **kwargs)` with the state taken from its `state` argument instead
+    of from the device, and returns `(out, new_state)`, leaving the stored state
+    alone. It can be jitted, exported with `jax.export`, differentiated,
+    `pmap`ped.
 
     **Raises:**
 
@@ -143,15 +145,53 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
     **Returns:**
 
     A function `(*args, **kwargs) -> out`, called eagerly, that updates the state of
-    `tree` in place.
+    `tree` in place. The state `pure_fun` returns is checked first (names,
+    structure, shapes, dtypes), then every state is written at once.
+
+    **Raises:**
+
+    The function raises `ValueError` if `pure_fun` returns a state that does not
+    fit; then nothing is written.
     """
     storages = _indices(tree)
 
     def fun(*args, **kwargs):
         out, new_state = pure_fun(_values(storages), *args, **kwargs)
-        from ._ops import commit
-
-        commit([(s, jtu.tree_leaves(new_state[n])) for n, s in storages.items()])
+        # Check every state before writing any, then write them all at once.
+        commit(_checked_state(storages, new_state))
         return out
 
     return fun
+
+
+def _checked_state(
+    storages: dict[str, Storage], new_state: Any
+) -> list[tuple[Storage, list]]:
+    """The stacked leaves of each state in `new_state`, checked against the stored
+    states (names, structure, shapes with batch axes, dtypes)."""
+    if not isinstance(new_state, dict) or set(new_state) != set(storages):
+        got = sorted(new_state) if isinstance(new_state, dict) else type(new_state)
+        raise ValueError(
+            "from_pure: the pure function must return `(out, new_state)` with "
+            f"`new_state` a dict with exactly the entries {sorted(storages)}, got "
+            f"{got}. Nothing was written."
+        )
+    items = []
+    for name, storage in storages.items():
+        leaves, treedef = jtu.tree_flatten(new_state[name])
+        if treedef != storage.treedef:
+            raise ValueError(
+                f"from_pure: new_state[{name!r}] has structure {treedef}, but the "
+                f"state has structure {storage.treedef}. Nothing was written."
+            )
+        for leaf, ref in zip(leaves, storage.refs or (), strict=True):
+            shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
+            if shape != ref.shape or dtype != ref.dtype:
+                raise ValueError(
+                    f"from_pure: new_state[{name!r}] has a leaf of {dtype}"
+                    f"{list(shape)}, but the state holds {ref.dtype}"
+                    f"{list(ref.shape)} (vmap batch axes first). Nothing was "
+                    "written."
+                )
+        items.append((storage, leaves))
+    return items

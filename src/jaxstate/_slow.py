@@ -26,12 +26,16 @@ class SlowPathWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def note_reference_path(stacklevel: int) -> None:
-    """Called while tracing a read or write that goes through a state's own
+def note_reference_path(storage, stacklevel: int) -> None:
+    """Called while tracing a read or write that goes through `storage`'s own
     references (not a `jaxstate.jit` argument); `stacklevel` frames up is the
     user's call."""
     root = root_trace()
     if root is None or _jax.traced_for(root) != "jit":
+        return
+    pending = storage.pending
+    if pending is not None and pending.root() is root:
+        # Created by this very trace: there was nothing to pass in instead.
         return
     where = _jax.function_name(root) or "a compiled function"
     if where in _warned:

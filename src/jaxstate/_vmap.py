@@ -13,8 +13,8 @@ counting the vmaps outside it. See docs/design.md, "vmap".
 """
 
 from collections.abc import Sequence
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from . import _jax
@@ -213,7 +213,7 @@ def only_eager_vmaps() -> bool:
     return True
 
 
-def stack_eager(x) -> jax.Array:
+def stack_eager(x) -> Any:
     """The concrete stacked value of `x` seen inside eager vmaps: one leading axis per
     vmap, outermost first."""
     trace = _jax.current_trace()

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ._kv_cache import KVCache
+from ._kv_cache import KVCache, OnOverflow
 
 
 def _attend(
@@ -63,11 +63,14 @@ class CachedSelfAttention(eqx.Module):
     Positional information is up to the model (as with `eqx.nn.MultiheadAttention`):
     `attn.cache.length()` is the position of the next token, also inside `jit`.
 
-    For a batch of sequences, create it with `batch_size=B` and call it under a
-    vmap of size `B` over the sequences; see [`jaxstate.nn.KVCache`][].
+    For a batch of sequences, create it with `batch_size=B` (or size it later with
+    [`resized`][jaxstate.nn.CachedSelfAttention.resized]) and call it under a vmap
+    of size `B` over the sequences; prompts of different lengths are padded and
+    passed with a `padding_mask`. See [`jaxstate.nn.KVCache`][].
 
-    If the tokens do not fit in the cache (inside compiled code, where that cannot
-    be checked while tracing), the output is NaN and the cache is left unchanged.
+    When the tokens do not fit in the cache, the call raises (`on_overflow="error"`,
+    the default), or returns NaN and leaves the cache unchanged
+    (`on_overflow="nan"`).
     """
 
     attention: eqx.nn.MultiheadAttention
@@ -80,6 +83,7 @@ class CachedSelfAttention(eqx.Module):
         *,
         batch_size: int | None = None,
         dtype=None,
+        on_overflow: OnOverflow = "error",
     ):
         """**Arguments:**
 
@@ -89,11 +93,12 @@ class CachedSelfAttention(eqx.Module):
         - `max_len`: the longest sequence the cache holds.
         - `batch_size`: if given, one cache per sequence of a batch of this many.
         - `dtype`: of the cache; defaults to that of the query projection.
+        - `on_overflow`: `"error"` or `"nan"`, see [`jaxstate.nn.KVCache`][].
 
         **Raises:**
 
         `ValueError` if `attention` is not a self-attention layer, or for a bad
-        `max_len` / `batch_size`.
+        `max_len` / `batch_size` / `on_overflow`.
         """
         if not isinstance(attention, eqx.nn.MultiheadAttention):
             raise TypeError(
@@ -115,13 +120,24 @@ class CachedSelfAttention(eqx.Module):
             attention.vo_size,
             batch_size=batch_size,
             dtype=dtype,
+            on_overflow=on_overflow,
         )
+
+    def resized(
+        self, batch_size: int | None, max_len: int | None = None
+    ) -> "CachedSelfAttention":
+        """This layer with a new, empty cache for `batch_size` sequences (`None`:
+        one) of up to `max_len` tokens (by default the current one's); the
+        parameters are the same. Eagerly or inside `jit`: see
+        [`KVCache.resized`][jaxstate.nn.KVCache.resized]."""
+        return KVCache.resize_all(self, batch_size, max_len)
 
     def __call__(
         self,
         x: Float[Array, "tokens size"],
         *,
         use_cache: bool = False,
+        padding_mask: Bool[Array, " tokens"] | None = None,
         key: PRNGKeyArray | None = None,
         inference: bool | None = None,
     ) -> Float[Array, "tokens size"]:
@@ -130,6 +146,11 @@ class CachedSelfAttention(eqx.Module):
         - `x`: a sequence, or the next tokens of the cached one, of shape
             `(tokens, size)`.
         - `use_cache`: whether `x` continues the sequence in the cache (see above).
+        - `padding_mask`: optional, of shape `(tokens,)`: `True` for real tokens,
+            `False` for padding (left, right, anywhere). Padding is neither
+            attended to nor stored in the cache, and its output is zero; the real
+            tokens get the outputs they would get without the padding (with the
+            cache: the `i`-th real token is at position `cache.length() + i`).
         - `key`, `inference`: for the wrapped layer's dropout on the attention
             weights, as in `eqx.nn.MultiheadAttention`. Without a `key` there is
             no dropout (where `eqx.nn.MultiheadAttention` would raise in training
@@ -142,7 +163,7 @@ class CachedSelfAttention(eqx.Module):
 
         **Raises:**
 
-        `ValueError` for an input of the wrong shape, or as
+        `ValueError` for an input or mask of the wrong shape, or as
         [`KVCache.append`][jaxstate.nn.KVCache.append]. The cache is unchanged
         after an error.
         """
@@ -153,19 +174,37 @@ class CachedSelfAttention(eqx.Module):
                 f"{mha.query_size}), got {x.shape}. For a batch, vmap over it."
             )
         n = x.shape[0]
+        if padding_mask is not None:
+            padding_mask = jnp.asarray(padding_mask)
+            if padding_mask.shape != (n,) or padding_mask.dtype != jnp.bool_:
+                raise ValueError(
+                    "CachedSelfAttention expects a boolean padding_mask of shape "
+                    f"({n},) (one per token), got "
+                    f"{padding_mask.dtype}{padding_mask.shape}."
+                )
         query = jax.vmap(mha.query_proj)(x).reshape(n, mha.num_heads, -1)
         key_ = jax.vmap(mha.key_proj)(x).reshape(n, mha.num_heads, -1)
         value = jax.vmap(mha.value_proj)(x).reshape(n, mha.num_heads, -1)
+        # Each token's position among the real tokens; a padding token gets that
+        # of the last real token before it.
+        if padding_mask is None:
+            rank = jnp.arange(n)
+        else:
+            rank = jnp.cumsum(padding_mask) - 1
         if use_cache:
-            key_, value, start, fits = self.cache.append(key_, value)
-            query_pos = start + jnp.arange(n)
+            key_, value, start, fits = self.cache.append(key_, value, padding_mask)
+            query_pos = start + rank
             key_pos = jnp.arange(self.cache.max_len)
+            mask = key_pos[None, :] <= query_pos[:, None]
         else:
             fits = None
-            query_pos = key_pos = jnp.arange(n)
-        mask = key_pos[None, :] <= query_pos[:, None]
+            mask = rank[None, :] <= rank[:, None]
+            if padding_mask is not None:
+                mask = mask & padding_mask[None, :]
         out = _attend(query, key_, value, mask, mha.dropout, key, inference)
         out = jax.vmap(mha.output_proj)(out.reshape(n, -1))
+        if padding_mask is not None:
+            out = jnp.where(padding_mask[:, None], out, 0)
         if fits is not None:
             out = jnp.where(fits, out, jnp.nan)
         return out

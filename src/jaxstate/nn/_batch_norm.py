@@ -1,3 +1,4 @@
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -10,35 +11,55 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._flag import flag_value, to_flag
 from .._index import StateIndex
 from .._ops import get_state, set_state
-from ._util import axis_names, default_float, writable as _writable
+from ._util import (
+    axis_names,
+    default_float,
+    read,
+    user_stacklevel,
+    writable as _writable,
+)
+
+
+Mode = Literal["debiased", "batch", "flax", "ema"]
+_MODES = ("debiased", "batch", "flax", "ema")
 
 
 class BatchNorm(eqx.Module):
     r"""Batch normalisation whose running statistics live in jaxstate state.
 
-    The same layer as `equinox.nn.BatchNorm` (same arguments, same numbers, step by
-    step and in inference), except that there is no `state` to thread through: the
+    `equinox.nn.BatchNorm`'s arguments, without the `state` to thread through: the
     running statistics are held in [`jaxstate.StateIndex`][]es and updated in place.
     Call it on a single example, inside `jax.vmap(..., axis_name=axis_name)`:
 
     !!! example
 
         ```python
-        bn = jaxstate.nn.BatchNorm(3, axis_name="batch")
+        bn = jaxstate.nn.BatchNorm(3, axis_name="batch", mode="debiased")
         y = jax.vmap(bn, axis_name="batch")(x)   # x: (batch, 3, ...)
         eval_bn = jaxstate.tree_inference(bn, True)
         ```
 
-    Two modes, as in Equinox:
+    Four modes. The first three normalise with the batch statistics in training,
+    and keep an exponential moving average (EMA) of them for inference; they differ
+    only in what inference normalises with (docs/layers.md compares them):
 
-    - `mode="batch"` (the default): training normalises with the batch statistics
-      and keeps an exponential moving average of them; inference normalises with
-      that average, zero-debiased. This is what PyTorch, Flax and Haiku do, and what
-      Equinox recommends for new code (its own default is `"ema"` only for
-      backward compatibility).
-    - `mode="ema"`: training normalises with the running statistics blended with the
-      batch statistics (the first call uses the batch statistics alone); inference
-      normalises with the running statistics.
+    - `mode="debiased"` (the default): the weighted average of the batch statistics
+      seen so far, with weight `momentum**age`; the same as an EMA started at zero
+      and divided by `1 - momentum**steps`, Haiku's rule (`hk.BatchNorm`). The
+      state holds the average itself. Measured on a small CNN, the most accurate
+      of the four in inference early in training.
+    - `mode="batch"`: `equinox.nn.BatchNorm(mode="batch")`, number for number: the
+      variance's EMA starts at 1 and is divided by `1 - momentum**steps` too, which
+      inflates it early in training.
+    - `mode="flax"`: the plain EMA, started at mean 0 and variance 1. Flax's rule
+      (`nnx.BatchNorm`, `flax.linen.BatchNorm`), also Keras's, and PyTorch's with
+      `momentum = 1 - torch_momentum` (PyTorch's running variance is the unbiased
+      one).
+    - `mode="ema"`: `equinox.nn.BatchNorm(mode="ema")`, number for number. Training
+      normalises with the running statistics blended with the batch statistics.
+
+    Leaving `mode` unset gives `"debiased"` with a warning, since
+    `equinox.nn.BatchNorm` with `mode` unset is `"ema"`.
     """
 
     weight: Float[Array, " input_size"] | None
@@ -53,7 +74,7 @@ class BatchNorm(eqx.Module):
     eps: float = eqx.field(static=True)
     channelwise_affine: bool = eqx.field(static=True)
     momentum: float = eqx.field(static=True)
-    mode: Literal["ema", "batch"] = eqx.field(static=True)
+    mode: Mode = eqx.field(static=True)
 
     def __init__(
         self,
@@ -64,7 +85,7 @@ class BatchNorm(eqx.Module):
         momentum: float = 0.99,
         inference: bool = False,
         dtype=None,
-        mode: Literal["ema", "batch"] = "batch",
+        mode: Mode | None = None,
     ):
         """**Arguments:**
 
@@ -76,16 +97,39 @@ class BatchNorm(eqx.Module):
         - `momentum`: the decay of the running statistics, in (0, 1).
         - `inference`: if `True`, normalise with the running statistics and leave
             them alone. Toggle with [`jaxstate.tree_inference`][].
-        - `dtype`: dtype of the statistics and the affine parameters; defaults to
-            float32 (float64 with `jax_enable_x64`).
-        - `mode`: `"batch"` (default) or `"ema"`, see above.
+        - `dtype`: dtype of the running statistics and the affine parameters;
+            defaults to float32 (float64 with `jax_enable_x64`). Input of another
+            dtype is fine: its statistics are computed in the wider of the two
+            dtypes and stored cast to this one.
+        - `mode`: `"debiased"`, `"batch"`, `"flax"` or `"ema"`, see above. Unset, it
+            is `"debiased"`, with a warning that says how to get
+            `equinox.nn.BatchNorm`'s numbers; pass it to silence the warning.
 
         **Raises:**
 
         `ValueError` for an unknown `mode` or a `momentum` outside (0, 1).
+
+        **Warns:**
+
+        `UserWarning` if `mode` is unset.
         """
-        if mode not in ("ema", "batch"):
-            raise ValueError(f"BatchNorm mode must be 'ema' or 'batch', got {mode!r}.")
+        if mode is None:
+            mode = "debiased"
+            warnings.warn(
+                "`jaxstate.nn.BatchNorm(..., mode=...)` is unset, so it uses "
+                "'debiased' (inference normalises with the exact average of the "
+                "batch statistics seen so far). Note that `eqx.nn.BatchNorm` with "
+                "`mode` unset uses 'ema' instead: pass `mode='ema'` to get its "
+                "numbers (or `mode='batch'` for `eqx.nn.BatchNorm(mode='batch')`, "
+                "`mode='flax'` for Flax's `BatchNorm`). Pass `mode='debiased'` to "
+                "silence this warning.",
+                stacklevel=user_stacklevel(),
+            )
+        if mode not in _MODES:
+            raise ValueError(
+                f"BatchNorm mode must be one of {', '.join(map(repr, _MODES))}, got "
+                f"{mode!r}."
+            )
         if not 0 < momentum < 1:
             raise ValueError(f"BatchNorm momentum must be in (0, 1), got {momentum}.")
         dtype = default_float() if dtype is None else dtype
@@ -95,13 +139,16 @@ class BatchNorm(eqx.Module):
         else:
             self.weight = self.bias = None
         zeros = jnp.zeros((input_size,), dtype)
+        ones = jnp.ones((input_size,), dtype)
         if mode == "ema":
             self.first_time = StateIndex(init=jnp.array(True))
             self.ema_state = StateIndex(init=(zeros, zeros))
             self.counter = self.batch_state = None
         else:
-            self.counter = StateIndex(init=jnp.array(0))
-            self.batch_state = StateIndex(init=(zeros, jnp.ones((input_size,), dtype)))
+            # Mean 0 and variance 1: inference before any training is the
+            # identity (up to `eps`). "debiased" replaces them at the first step.
+            self.counter = StateIndex(init=jnp.array(0, jnp.int32))
+            self.batch_state = StateIndex(init=(zeros, ones))
             self.first_time = self.ema_state = None
         self.inference = inference
         self.axis_name = axis_name
@@ -110,6 +157,35 @@ class BatchNorm(eqx.Module):
         self.channelwise_affine = channelwise_affine
         self.momentum = momentum
         self.mode = mode
+
+    def _inference_statistics(self, counter, hidden_mean, hidden_var):
+        if self.mode != "batch":
+            return hidden_mean, hidden_var
+        # Equinox's: zero-debiased, though the variance's EMA starts at one.
+        scale = jnp.where(counter == 0, 1, 1 - self.momentum**counter)
+        return hidden_mean / scale, hidden_var / scale
+
+    def running_statistics(
+        self,
+    ) -> tuple[
+        Float[Array, "*members input_size"], Float[Array, "*members input_size"]
+    ]:
+        """The mean and variance that inference normalises with.
+
+        **Returns:**
+
+        `(mean, var)`, each of shape `(input_size,)`: eagerly the whole stored
+        value (for a layer built under `eqx.filter_vmap`, one row per member, in
+        front), inside a transform the member's own.
+        """
+        if self.mode == "ema":
+            assert self.ema_state is not None
+            return read(self.ema_state)
+        assert self.counter is not None and self.batch_state is not None
+        counter = read(self.counter)
+        hidden_mean, hidden_var = read(self.batch_state)
+        counter = jnp.expand_dims(counter, -1)  # one per member, against channels
+        return self._inference_statistics(counter, hidden_mean, hidden_var)
 
     def __call__(
         self,
@@ -131,7 +207,8 @@ class BatchNorm(eqx.Module):
         **Raises:**
 
         `NameError` if not called under a `vmap` with a matching `axis_name`;
-        `ValueError` if `x` does not have `input_size` channels.
+        `ValueError` if `x` does not have `input_size` channels; `TypeError` for
+        complex input into real statistics.
         """
         del key
         if x.shape[:1] != (self.input_size,):
@@ -142,6 +219,18 @@ class BatchNorm(eqx.Module):
             )
         if inference is None:
             inference = flag_value(self.inference, "BatchNorm")
+        stats_index = self.ema_state if self.mode == "ema" else self.batch_state
+        assert stats_index is not None
+        stored_mean, stored_var = get_state(stats_index)
+        dtype = stored_mean.dtype
+        if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"BatchNorm got complex input ({x.dtype}) but keeps real statistics "
+                f"({dtype}). Create it with `dtype=` a complex dtype."
+            )
+        # Statistics in the wider dtype (a no-op when the dtypes agree, so the
+        # numbers are Equinox's), stored in the layer's own.
+        xs = x.astype(jnp.result_type(x.dtype, dtype))
 
         names = axis_names(self.axis_name)
 
@@ -157,38 +246,50 @@ class BatchNorm(eqx.Module):
             var = pmean(jnp.mean((y - mean) * jnp.conj(y - mean)))
             return mean, jnp.maximum(0.0, var)
 
+        def store(index, value):
+            set_state(_writable(index), jax.tree.map(lambda v: v.astype(dtype), value))
+
         if self.mode == "ema":
             assert self.first_time is not None and self.ema_state is not None
             if inference:
-                mean, var = get_state(self.ema_state)
+                mean, var = stored_mean, stored_var
             else:
                 # Every write comes after everything that can fail (the `pmean`s, the
                 # check of the new statistics against the stored ones): an eager call
                 # writes at once, so a failed call must not have written anything.
                 first_time = get_state(self.first_time)
-                batch_mean, batch_var = jax.vmap(stats)(x)
-                running_mean, running_var = get_state(self.ema_state)
-                mean = (1 - self.momentum) * batch_mean + self.momentum * running_mean
-                var = (1 - self.momentum) * batch_var + self.momentum * running_var
+                batch_mean, batch_var = jax.vmap(stats)(xs)
+                m = self.momentum
+                mean = (1 - m) * batch_mean + m * stored_mean
+                var = (1 - m) * batch_var + m * stored_var
                 mean = lax.select(first_time, batch_mean, mean)
                 var = lax.select(first_time, batch_var, var)
-                set_state(_writable(self.ema_state), (mean, var))
+                store(self.ema_state, (mean, var))
                 set_state(_writable(self.first_time), jnp.array(False))
         else:
             assert self.counter is not None and self.batch_state is not None
             counter = get_state(self.counter)
-            hidden_mean, hidden_var = get_state(self.batch_state)
             if inference:
-                scale = jnp.where(counter == 0, 1, 1 - self.momentum**counter)
-                mean, var = hidden_mean / scale, hidden_var / scale
+                mean, var = self._inference_statistics(counter, stored_mean, stored_var)
             else:
-                mean, var = jax.vmap(stats)(x)
+                mean, var = jax.vmap(stats)(xs)
                 m = self.momentum
+                if self.mode == "debiased":
+                    # The weighted average, updated: the newest batch's weight
+                    # among `counter + 1` is `(1 - m) / (1 - m**(counter + 1))`
+                    # (1 at the first step, `1 - m` in the long run).
+                    w = (1 - m) / (1 - m ** (counter + 1))
+                    new = (
+                        stored_mean + w * (mean - stored_mean),
+                        stored_var + w * (var - stored_var),
+                    )
+                else:
+                    new = (
+                        stored_mean * m + mean * (1 - m),
+                        stored_var * m + var * (1 - m),
+                    )
                 # As above: the write that can fail first, the counter after it.
-                set_state(
-                    _writable(self.batch_state),
-                    (hidden_mean * m + mean * (1 - m), hidden_var * m + var * (1 - m)),
-                )
+                store(self.batch_state, new)
                 set_state(_writable(self.counter), counter + 1)
 
         def norm(y, m, v, w, b):

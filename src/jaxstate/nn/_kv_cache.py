@@ -1,12 +1,19 @@
+from typing import Any, Literal
+
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
-from .._vmap import is_eager
+from .._vmap import only_eager_vmaps, stack_eager
 from ._util import default_float, extra_vmaps, read, writable, write
+
+
+OnOverflow = Literal["error", "nan"]
 
 
 class KVCache(eqx.Module):
@@ -32,16 +39,19 @@ class KVCache(eqx.Module):
     one cache per sequence, as if built under `eqx.filter_vmap`: call it (or the
     model holding it) under a vmap of size `B` over the sequences, for example
     `jax.vmap(lambda t: model(t, use_cache=True))(tokens)`; every sequence then has
-    its own buffers and position. (All sequences advance together under such a
-    vmap, so pad prompts to one length.)
+    its own buffers and position. Prompts of different lengths: pad them and pass
+    `padding_mask`, see `append`.
+
+    **Sizes.** [`resized`][jaxstate.nn.KVCache.resized] (and
+    [`KVCache.resize_all`][jaxstate.nn.KVCache.resize_all] for a whole model) gives
+    a new, empty cache for another number of sequences or length, eagerly or
+    inside `jit`, without rebuilding the model.
 
     **Overflow.** Appending more than `max_len` tokens in one call raises while
-    tracing. Running past the end over several calls raises `ValueError` in eager
-    code. Inside compiled code the position is not known while tracing: there the
-    tokens that do not fit are *not* stored (the cache is unchanged) and `fits` is
-    `False`; `CachedSelfAttention` then returns NaN. Check `length()` against
-    `max_len` in your decoding loop. (A runtime error, `eqx.error_if`, is not used:
-    a compiled call that fails at run time loses the state it was passed.)
+    tracing. Running past the end over several calls depends on `on_overflow`:
+    `"error"` (default) raises, eagerly before anything is written and inside
+    compiled code when the call runs (`eqx.error_if`); `"nan"` stores nothing,
+    returns `fits=False`, and `CachedSelfAttention` returns NaN.
 
     Inference mode (`jaxstate.tree_inference`) does not freeze the cache: decoding
     is inference.
@@ -54,6 +64,9 @@ class KVCache(eqx.Module):
     num_heads: int = eqx.field(static=True)
     key_size: int = eqx.field(static=True)
     value_size: int = eqx.field(static=True)
+    batch_size: int | None = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    on_overflow: OnOverflow = eqx.field(static=True)
 
     def __init__(
         self,
@@ -64,6 +77,7 @@ class KVCache(eqx.Module):
         *,
         batch_size: int | None = None,
         dtype=None,
+        on_overflow: OnOverflow = "error",
     ):
         """**Arguments:**
 
@@ -75,10 +89,13 @@ class KVCache(eqx.Module):
             be used under a vmap of this size (see above).
         - `dtype`: of the buffers; float32 by default (float64 with
             `jax_enable_x64`).
+        - `on_overflow`: `"error"` or `"nan"`, what happens when tokens do not fit
+            (see above).
 
         **Raises:**
 
-        `ValueError` for a size that is not a positive int.
+        `ValueError` for a size that is not a positive int, or another
+        `on_overflow`.
         """
         value_size = key_size if value_size is None else value_size
         for name, n in [
@@ -88,31 +105,41 @@ class KVCache(eqx.Module):
             ("value_size", value_size),
             ("batch_size", 1 if batch_size is None else batch_size),
         ]:
-            if not isinstance(n, int) or n < 1:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"KVCache {name} must be a positive int, got {n!r}.")
-        dtype = default_float() if dtype is None else dtype
+        if on_overflow not in ("error", "nan"):
+            raise ValueError(
+                f"KVCache on_overflow must be 'error' or 'nan', got {on_overflow!r}."
+            )
+        dtype = np.dtype(default_float() if dtype is None else dtype)
         buffers = (
             jnp.zeros((max_len, num_heads, key_size), dtype),
             jnp.zeros((max_len, num_heads, value_size), dtype),
         )
+        # int32 whatever `jax_enable_x64` says: positions index buffers, and JAX
+        # wants every index of one `dynamic_slice` in one dtype.
         length = jnp.zeros((), jnp.int32)
         if batch_size is None:
             self.buffers = StateIndex(init=buffers)
             self.position = StateIndex(init=length)
         else:
-            # State first set under an (eager) vmap is stored with one slice per
-            # member: here, per sequence.
+            # State first set under a vmap is stored with one slice per member:
+            # here, per sequence.
             make = lambda: (StateIndex(init=buffers), StateIndex(init=length))
             self.buffers, self.position = eqx.filter_vmap(make, axis_size=batch_size)()
         self.max_len = max_len
         self.num_heads = num_heads
         self.key_size = key_size
         self.value_size = value_size
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self.on_overflow = on_overflow
 
     def append(
         self,
         keys: Float[Array, "tokens num_heads key_size"],
         values: Float[Array, "tokens num_heads value_size"],
+        padding_mask: Bool[Array, " tokens"] | None = None,
     ) -> tuple[
         Float[Array, "max_len num_heads key_size"],
         Float[Array, "max_len num_heads value_size"],
@@ -125,21 +152,30 @@ class KVCache(eqx.Module):
 
         - `keys`, `values`: of shapes `(tokens, num_heads, key_size)` and
             `(tokens, num_heads, value_size)`, cast to the cache's dtype.
+        - `padding_mask`: optional, of shape `(tokens,)`: `True` for real tokens,
+            `False` for padding. Only the real tokens are stored, one after the
+            other (padding anywhere: left, right or between), and the position
+            advances by their number, so the cache holds what it would hold for
+            the real tokens alone.
 
         **Returns:**
 
         `(all_keys, all_values, start, fits)`: the whole buffers, new tokens
         included, of shapes `(max_len, num_heads, key_size / value_size)`; the
         position of the first new token (the length before the call); and whether
-        the tokens fitted (always `True` outside compiled code, which raises
-        instead). Positions after `start + tokens - 1` hold junk: mask them out.
+        the tokens fitted (`False` only with `on_overflow="nan"`). The `i`-th real
+        new token is at position `start + i`; positions from `start + (number of
+        real tokens)` on hold junk: mask them out.
 
         **Raises:**
 
-        `ValueError` for keys or values of the wrong shape or more than `max_len`
-        tokens (while tracing), or, in eager code, if the tokens do not fit in the
-        room left; `RuntimeError` under a vmap the cache was not created under.
-        The cache is unchanged after an error.
+        `ValueError` for keys, values or mask of the wrong shape, or more than
+        `max_len` tokens (while tracing); with `on_overflow="error"`, if the tokens
+        do not fit in the room left: `ValueError` eagerly (also under eager vmaps,
+        for batched caches), and inside compiled code the run-time error of
+        `eqx.error_if` when the call runs. `RuntimeError` under a vmap the cache was
+        not created under. The cache is unchanged after an error (see
+        docs/layer-attention.md for compiled calls).
         """
         keys, values = jnp.asarray(keys), jnp.asarray(values)
         n = keys.shape[0] if keys.ndim == 3 else -1
@@ -153,6 +189,13 @@ class KVCache(eqx.Module):
                 "one sequence; for a batch, create the cache with `batch_size=` and "
                 "vmap over the sequences."
             )
+        if padding_mask is not None:
+            padding_mask = jnp.asarray(padding_mask)
+            if padding_mask.shape != (n,) or padding_mask.dtype != jnp.bool_:
+                raise ValueError(
+                    f"KVCache.append expects a boolean padding_mask of shape ({n},) "
+                    f"(one per token), got {padding_mask.dtype}{padding_mask.shape}."
+                )
         if n > self.max_len:
             raise ValueError(
                 f"KVCache.append got {n} tokens, more than the cache holds "
@@ -167,41 +210,125 @@ class KVCache(eqx.Module):
             )
         all_keys, all_values = get_state(self.buffers)
         start = get_state(self.position)
-        if is_eager() and int(start) + n > self.max_len:
-            raise ValueError(
-                f"KVCache.append: {n} new token(s) after {int(start)} do not fit in "
-                f"max_len={self.max_len}. Call `reset()` for a new sequence, or "
-                "create the cache with a larger max_len."
+        index_dtype = start.dtype
+        if padding_mask is None:
+            n_new = jnp.asarray(n, index_dtype)
+        else:
+            n_new = jnp.sum(padding_mask, dtype=index_dtype)
+        fits = start + n_new <= self.max_len
+        if self.on_overflow == "error":
+            start = self._check_fits(start, n_new, fits)
+        keys = keys.astype(all_keys.dtype)
+        values = values.astype(all_values.dtype)
+        if padding_mask is None:
+            # `dynamic_update_slice` would clamp the start and overwrite the last
+            # positions. When the tokens do not fit, write back what is there
+            # instead: this costs a slice of `n` positions, where a `where` over the
+            # whole buffers would copy them on every step.
+            zero = jnp.zeros((), index_dtype)
+            at = (jnp.minimum(start, self.max_len - n).astype(index_dtype), zero, zero)
+            keys = jnp.where(fits, keys, lax.dynamic_slice(all_keys, at, keys.shape))
+            values = jnp.where(
+                fits, values, lax.dynamic_slice(all_values, at, values.shape)
             )
-        fits = start + n <= self.max_len
-        # `dynamic_update_slice` would clamp the start and overwrite the last
-        # positions. When the tokens do not fit, write back what is there instead:
-        # this costs a slice of `n` positions, where a `where` over the whole buffers
-        # would copy them on every step.
-        at = (jnp.minimum(start, self.max_len - n), 0, 0)
-        keys = jnp.where(
-            fits,
-            keys.astype(all_keys.dtype),
-            lax.dynamic_slice(all_keys, at, keys.shape),
-        )
-        values = jnp.where(
-            fits,
-            values.astype(all_values.dtype),
-            lax.dynamic_slice(all_values, at, values.shape),
-        )
-        all_keys = lax.dynamic_update_slice(all_keys, keys, at)
-        all_values = lax.dynamic_update_slice(all_values, values, at)
+            all_keys = lax.dynamic_update_slice(all_keys, keys, at)
+            all_values = lax.dynamic_update_slice(all_values, values, at)
+        else:
+            # Real tokens to consecutive positions; padding (and everything, when
+            # the tokens do not fit) to an index past the end, which is dropped.
+            slot = start + jnp.cumsum(padding_mask, dtype=index_dtype) - 1
+            dest = jnp.where(padding_mask & fits, slot, self.max_len)
+            all_keys = all_keys.at[dest].set(keys, mode="drop")
+            all_values = all_values.at[dest].set(values, mode="drop")
         set_state(writable(self.buffers), (all_keys, all_values))
-        set_state(writable(self.position), jnp.where(fits, start + n, start))
+        set_state(writable(self.position), jnp.where(fits, start + n_new, start))
         return all_keys, all_values, start, fits
 
+    def _check_fits(self, start, n_new, fits):
+        fix = (
+            "Call `reset()` for a new sequence, make a longer cache (`resized`, "
+            "or a larger max_len), or pass `on_overflow='nan'` to get NaN instead."
+        )
+        if only_eager_vmaps():
+            # Eager (under eager vmaps too, for a batched cache): the values are
+            # known, so raise before anything is written.
+            over = np.asarray(stack_eager(~fits))
+            if over.any():
+                first = tuple(int(i) for i in np.argwhere(over)[0])
+                starts = np.broadcast_to(np.asarray(stack_eager(start)), over.shape)
+                news = np.broadcast_to(np.asarray(stack_eager(n_new)), over.shape)
+                which = f" (sequence {first[0] if len(first) == 1 else first})"
+                raise ValueError(
+                    f"KVCache.append: {int(news[first])} new token(s) after "
+                    f"{int(starts[first])} do not fit in max_len={self.max_len}"
+                    f"{which if first else ''}. {fix}"
+                )
+            return start
+        # Inside compiled code: when the call runs. `jaxstate.jit` then passes the
+        # state undonated, so a failed call keeps it (docs/layer-attention.md).
+        return eqx.error_if(
+            start,
+            ~fits,
+            f"KVCache.append: the new tokens do not fit in max_len={self.max_len}. "
+            + fix,
+        )
+
     def length(self) -> Int[Array, "*sequences"]:
-        """How many tokens are stored: eagerly one per sequence for a cache created
-        with `batch_size`; inside a vmap over the sequences, the sequence's own."""
+        """How many tokens are stored: one per sequence for a cache created with
+        `batch_size` (inside a vmap over the sequences, the sequence's own)."""
         return read(self.position)
 
     def reset(self) -> None:
-        """Empties the cache (every sequence, eagerly), to start a new sequence.
-        Only the position is reset: stale keys and values past it are never
-        attended to."""
+        """Empties the cache (every sequence, unless called inside the vmap over
+        them), to start a new sequence; eagerly or inside `jit`. Only the position
+        is reset: stale keys and values past it are never attended to."""
         write(self.position, jnp.zeros_like(read(self.position)))
+
+    def resized(self, batch_size: int | None, max_len: int | None = None) -> "KVCache":
+        """A new, empty cache like this one (heads, sizes, dtype, `on_overflow`),
+        for `batch_size` sequences (`None`: one) of up to `max_len` tokens (by
+        default this one's).
+
+        Works eagerly and inside `jax.jit`, `eqx.filter_jit` and `jaxstate.jit`,
+        so a compiled function can size the cache for its prompts. Its state is
+        then created when the function is traced: every call of that compiled
+        function uses the same state, starting empty each time.
+
+        **Raises:**
+
+        `ValueError` for a size that is not a positive int.
+        """
+        return KVCache(
+            self.max_len if max_len is None else max_len,
+            self.num_heads,
+            self.key_size,
+            self.value_size,
+            batch_size=batch_size,
+            dtype=self.dtype,
+            on_overflow=self.on_overflow,
+        )
+
+    @staticmethod
+    def resize_all(
+        tree: PyTree, batch_size: int | None, max_len: int | None = None
+    ) -> PyTree:
+        """`tree` (a model) with every `KVCache` in it replaced by its
+        [`resized`][jaxstate.nn.KVCache.resized] version: the model's parameters
+        are kept, the caches are new and empty.
+
+        !!! example
+
+            ```python
+            @jaxstate.jit
+            def generate(model, prompts):                  # prompts: (B, tokens)
+                model = jaxstate.nn.KVCache.resize_all(model, prompts.shape[0])
+                logits = jax.vmap(lambda p: model(p, use_cache=True))(prompts)
+                ...
+            ```
+        """
+        is_cache = lambda x: isinstance(x, KVCache)
+        return jtu.tree_map(
+            lambda x: x.resized(batch_size, max_len) if is_cache(x) else x,
+            tree,
+            is_leaf=is_cache,
+        )

@@ -1,9 +1,13 @@
 """Small helpers shared by the layers of `jaxstate.nn`."""
 
+import os
+import sys
 from collections.abc import Hashable, Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 from jaxtyping import PyTree
 
 from .._flag import flag_value
@@ -14,6 +18,30 @@ from .._vmap import is_eager, only_eager_vmaps, vmap_sizes
 
 
 AxisName = Hashable | Sequence[Hashable]
+
+# Packages whose frames a warning skips, to point at the user's line: jaxstate's,
+# Equinox's (an `eqx.Module`'s `__init__` runs inside its metaclass) and
+# jaxtyping's (its run-time checks wrap functions).
+_JAXTYPING = os.path.dirname(jaxtyping.__file__ or "") + os.sep
+_INTERNAL = (
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,
+    os.path.dirname(eqx.__file__ or "") + os.sep,
+    _JAXTYPING,
+)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` in the calling function that names
+    the first caller outside jaxstate and Equinox (so that Python shows the warning
+    once per user line)."""
+    frame = sys._getframe(1)
+    # The function that will warn: past a type-checking wrapper around this one.
+    while frame is not None and frame.f_code.co_filename.startswith(_JAXTYPING):
+        frame = frame.f_back
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def default_float():
@@ -68,17 +96,32 @@ def check_can_create(what: str) -> None:
         )
 
 
+def _missing_vmaps(index: StateIndex) -> tuple[int, ...]:
+    """The sizes of the vmaps the state was created under that do not enclose this
+    call (innermost last): inside `jit` but outside the vmap over the sequences of
+    a batched cache, say. (More or other vmaps are `get_state`'s to refuse.)"""
+    batch_shape = resolve(index._handle).batch_shape
+    return tuple(batch_shape[len(vmap_sizes()) :])
+
+
 def read(index: StateIndex) -> PyTree:
-    """The state: eagerly the whole stored value (one slice per member of the vmaps
-    it was created under, stacked in front), else the member's value."""
+    """The state: the whole stored value (one slice per member of the vmaps it was
+    created under, stacked in front), except for the slices of the vmaps that
+    enclose the call, which see their member's value. Eagerly, the whole value."""
     if is_eager():
         return index.unsafe_get()
-    return get_state(index)
+    fn = lambda: get_state(index)
+    for size in reversed(_missing_vmaps(index)):
+        fn = jax.vmap(fn, axis_size=size)
+    return fn()
 
 
 def write(index: StateIndex, value: PyTree) -> None:
-    """The counterpart of `read`: eagerly the whole stacked value."""
+    """The counterpart of `read`: `value` has the same leading axes."""
     if is_eager():
         index.unsafe_set(value)
-    else:
-        set_state(writable(index), value)
+        return
+    fn = lambda v: set_state(writable(index), v)
+    for size in reversed(_missing_vmaps(index)):
+        fn = jax.vmap(fn, axis_size=size)
+    fn(value)

@@ -1,0 +1,181 @@
+"""Checkpoints with Orbax (or any library that saves a PyTree of arrays): a model's
+arrays and states as a plain dict, and back.
+
+Nothing here imports Orbax: the dict is what Orbax's `StandardSave` and
+`StandardRestore` take. Orbax cannot store PRNG key arrays or arrays with no
+elements, so keys go in as their key data (under their implementation's name) and
+empty arrays are left out (they hold no data; `load_checkpoint_tree` takes them
+from the model loaded into).
+"""
+
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+from ._ops import snapshot
+from ._state_dict import (
+    is_key_dtype,
+    key_impl,
+    key_shape,
+    load_state_dict,
+    state_dict,
+    walk,
+)
+
+
+def _is_empty(x) -> bool:
+    return 0 in x.shape
+
+
+def _key_data_sharding(key: Any) -> Any:
+    return jax.random.key_data(key).sharding
+
+
+def _abstract(tree) -> dict[str, Any]:
+    items, states = walk(tree)
+    out: dict[str, Any] = {}
+
+    def add(name, shape, dtype, sharding, value):
+        if 0 in shape:
+            return
+        if is_key_dtype(dtype):
+            data_shape = tuple(shape) + key_shape(dtype)
+            data = jax.ShapeDtypeStruct(
+                data_shape, "uint32", sharding=_key_data_sharding(value())
+            )
+            out[name] = {key_impl(dtype): data}
+        else:
+            out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    for item in items:
+        if item[0] == "array":
+            _, name, leaf = item
+            add(name, leaf.shape, leaf.dtype, leaf.sharding, lambda leaf=leaf: leaf)
+        else:
+            entry = item[1]
+            refs = entry.storage.refs or ()
+            for i, (name, ref) in enumerate(zip(entry.names(), refs, strict=True)):
+
+                def value(entry=entry, i=i):
+                    return snapshot([entry.storage])[0][i]
+
+                add(name, ref.shape, ref.dtype, ref.sharding, value)
+    return out
+
+
+def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
+    """Every array and state of `tree` as a plain dict, for Orbax.
+
+    The entries of [`jaxstate.state_dict`][] (states read together, consistently;
+    a state reached through several indices once), except that PRNG keys become
+    `{implementation: key data}` and arrays with no elements are left out: Orbax
+    stores neither. Pass the result to `orbax.checkpoint.args.StandardSave`; pass
+    `checkpoint_tree(like, abstract=True)` to `StandardRestore` as the target, and
+    what Orbax restores to [`jaxstate.load_checkpoint_tree`][].
+
+    **Arguments:**
+
+    - `tree`: the model, or any PyTree of models, arrays and optimiser states.
+    - `abstract`: if `True`, `jax.ShapeDtypeStruct`s with each array's and state's
+        sharding instead of arrays: a restore target that copies nothing. Orbax
+        restores each array with the sharding given here, so build `like` with the
+        sharding you want (e.g. with [`jaxstate.device_put`][]).
+
+    **Returns:**
+
+    A dict from names (as in `state_dict`) to arrays, or to `{impl: key_data}` for
+    PRNG keys.
+
+    !!! example
+
+        ```python
+        import orbax.checkpoint as ocp
+
+        with ocp.CheckpointManager(directory) as manager:
+            manager.save(step, args=ocp.args.StandardSave(
+                jaxstate.checkpoint_tree((model, opt_state))))
+            ...
+            like = (Model(key), opt_state)
+            target = jaxstate.checkpoint_tree(like, abstract=True)
+            restored = manager.restore(
+                manager.latest_step(), args=ocp.args.StandardRestore(target))
+            model, opt_state = jaxstate.load_checkpoint_tree(like, restored)
+        ```
+    """
+    if abstract:
+        return _abstract(tree)
+    out: dict[str, Any] = {}
+    for name, array in state_dict(tree).items():
+        if _is_empty(array):
+            continue
+        if is_key_dtype(array.dtype):
+            out[name] = {key_impl(array.dtype): jax.random.key_data(array)}
+        else:
+            out[name] = array
+    return out
+
+
+def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
+    """Loads what Orbax restored from a [`jaxstate.checkpoint_tree`][] into `like`.
+
+    As [`jaxstate.load_state_dict`][] (strict): everything is checked first, then
+    every state is written at once, in place; on error nothing changes.
+
+    **Arguments:**
+
+    - `like`: a model of the same structure (the one whose abstract
+        `checkpoint_tree` was the restore target).
+    - `restored`: the dict Orbax returned.
+
+    **Returns:**
+
+    A copy of `like` holding the loaded arrays; its state (shared with every copy of
+    it) holds the loaded values.
+
+    **Raises:**
+
+    As [`jaxstate.load_state_dict`][]; a `ValueError` if a PRNG key was saved with
+    another implementation than `like` has.
+    """
+    if not isinstance(restored, dict):
+        raise TypeError(
+            "load_checkpoint_tree: `restored` must be the dict restored from a "
+            f"`jaxstate.checkpoint_tree`, got {type(restored).__name__}."
+        )
+    mapping: dict[str, Any] = {}
+    for name, value in restored.items():
+        if isinstance(value, dict):
+            if len(value) != 1:
+                raise ValueError(
+                    f"load_checkpoint_tree: entry {name!r} should hold PRNG key "
+                    f"data under one implementation name, got {sorted(value)}."
+                )
+            ((impl, data),) = value.items()
+            try:
+                value = jax.random.wrap_key_data(data, impl=impl)
+            except Exception as e:
+                raise ValueError(
+                    f"load_checkpoint_tree: entry {name!r} holds PRNG key data for "
+                    f"implementation {impl!r} that cannot be wrapped ({e})."
+                ) from e
+        mapping[name] = value
+    # Arrays with no elements were left out of the checkpoint: take them from
+    # `like` (they hold no data).
+    items, states = walk(like, abstract=True)
+    for item in items:
+        if item[0] == "array" and _is_empty(item[2]) and item[1] not in mapping:
+            mapping[item[1]] = item[2]
+    empty_states = [
+        e
+        for e in states.values()
+        if any(0 in r.shape for r in e.storage.refs or ())
+        and any(n not in mapping for n in e.names())
+    ]
+    if empty_states:
+        current = snapshot([e.storage for e in empty_states])
+        for entry, values in zip(empty_states, current, strict=True):
+            for name, value in zip(entry.names(), values, strict=True):
+                if _is_empty(value):
+                    mapping.setdefault(name, value)
+    return load_state_dict(like, mapping)

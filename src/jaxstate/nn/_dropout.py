@@ -1,0 +1,199 @@
+import numbers
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
+
+from .._flag import flag_value, to_flag
+from ._rng import RNGStream
+from ._util import AxisName, extra_vmaps
+
+
+_Seed = Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
+
+
+def _check_p(p) -> float:
+    is_scalar_array = isinstance(p, (jax.Array, np.ndarray, np.generic)) and (
+        jnp.shape(p) == () and not jnp.issubdtype(jnp.result_type(p), jnp.bool_)
+    )
+    if isinstance(p, (bool, np.bool_)) or not (
+        isinstance(p, numbers.Real) or is_scalar_array
+    ):
+        raise TypeError(
+            "`jaxstate.nn.Dropout(p=...)` takes the fraction of entries to drop as a "
+            f"number, got {type(p).__name__} ({p!r:.60})."
+        )
+    try:
+        value = float(p)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            "`jaxstate.nn.Dropout(p=...)` was given a traced value; build the layer "
+            "with a Python number (change it later with `eqx.tree_at` if needed)."
+        ) from None
+    if not 0 <= value < 1:
+        raise ValueError(
+            f"`jaxstate.nn.Dropout` needs 0 <= p < 1, got p={value}. p is the "
+            "fraction of entries set to zero: p=1 would drop everything (and scale "
+            "by 1/0); use p=0, or inference mode, for no dropout."
+        )
+    return value
+
+
+def _stream(key) -> RNGStream:
+    if isinstance(key, RNGStream):
+        return key
+    fix = (
+        "Pass an int seed, a key from `jax.random.key(seed)` (or a legacy "
+        "`jax.random.PRNGKey(seed)`), or a `jaxstate.nn.RNGStream` to share."
+    )
+    if key is None:
+        raise TypeError(
+            "`jaxstate.nn.Dropout` needs `key=`: it draws its masks from a random "
+            f"stream of its own, seeded once here. {fix} Give every dropout layer "
+            "its own key (e.g. from `jax.random.split`), or they drop the same "
+            "entries."
+        )
+    if isinstance(key, (bool, np.bool_, float)) or (
+        not isinstance(key, int) and not hasattr(key, "dtype")
+    ):
+        raise TypeError(
+            f"`jaxstate.nn.Dropout(key=...)` got {type(key).__name__} "
+            f"({key!r:.60}). {fix}"
+        )
+    if not isinstance(key, int):
+        x = jnp.asarray(key)
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            if x.shape != ():
+                raise ValueError(
+                    "`jaxstate.nn.Dropout(key=...)` takes a single key, got a key "
+                    f"array of shape {x.shape}. For one layer per key (an "
+                    "ensemble), build them under a vmap: "
+                    "`eqx.filter_vmap(lambda k: jaxstate.nn.Dropout(p, key=k))(keys)`."
+                )
+        elif not (
+            (x.dtype == jnp.uint32 and x.shape == (2,))
+            or (jnp.issubdtype(x.dtype, jnp.integer) and x.shape == ())
+        ):
+            raise TypeError(
+                f"`jaxstate.nn.Dropout(key=...)` got an array of "
+                f"{x.dtype}{list(x.shape)}. {fix}"
+            )
+    return RNGStream(key)
+
+
+class Dropout(eqx.Module):
+    """Dropout that draws its masks from a random stream of its own: no `key` to
+    thread through the model.
+
+    The same layer as `equinox.nn.Dropout` (same `p`, same `inference` switch, the
+    same numbers for the same key), except that it keeps a
+    [`jaxstate.nn.RNGStream`][] in state. Call number `i` uses the key
+    `jax.random.fold_in(key, i)`, eagerly or compiled (`jaxstate.jit`, `jax.jit`,
+    `eqx.filter_jit`), so every call, every iteration of a `lax.scan` and every
+    training step gets a new mask, and the same seed gives the same masks.
+
+    !!! example
+
+        ```python
+        dropout = jaxstate.nn.Dropout(0.5, key=jax.random.key(0))
+        y = jaxstate.jit(lambda d, x: d(x))(dropout, x)   # a new mask every call
+        eval_dropout = jaxstate.tree_inference(dropout, True)  # the identity
+        ```
+
+    **Per example**: called on one example under a per-example vmap
+    (`jax.vmap(model, axis_name="batch")`), give the layer that vmap's name,
+    `Dropout(p, key=k, axis_name="batch")`; each example's key is then the call's
+    key folded with the example's index (`lax.axis_index`), and the stream advances
+    once per call. **Ensembles**: layers built under
+    `eqx.filter_vmap(lambda k: Dropout(p, key=k))(keys)` have one stream each.
+    """
+
+    # Static, like the flag: the step compiled by plain `jax.jit` sees a Python
+    # number, so `p=0` draws nothing there either.
+    p: float = eqx.field(static=True)
+    rng: RNGStream
+    inference: bool = eqx.field(converter=to_flag)
+    axis_name: AxisName | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        p: float | Float[ArrayLike, ""] = 0.5,
+        inference: bool = False,
+        *,
+        key: int | _Seed | RNGStream,
+        axis_name: AxisName | None = None,
+    ):
+        """**Arguments:**
+
+        - `p`: the fraction of entries set to zero (on average), in [0, 1). The
+            kept entries are scaled by `1 / (1 - p)`.
+        - `inference`: if `True`, the layer is the identity and draws nothing.
+            Toggle it with [`jaxstate.tree_inference`][] (or
+            `eqx.nn.inference_mode`), or override it per call.
+        - `key`: seeds the layer's stream: an int seed, a key from
+            `jax.random.key` (or a legacy `jax.random.PRNGKey`), or an existing
+            [`jaxstate.nn.RNGStream`][] to draw from (shared with whatever else
+            uses it). Give each layer its own key.
+        - `axis_name`: the name (or a tuple of names) of the per-example vmaps the
+            layer is called under, if any: every example then gets its own mask.
+
+        **Raises:**
+
+        `TypeError` for a `p` that is not a number or a `key` that is not a seed or
+        key; `ValueError` for `p` outside [0, 1) or a batch of keys outside a vmap.
+        """
+        self.p = _check_p(p)
+        self.rng = _stream(key)
+        self.inference = inference
+        self.axis_name = axis_name
+
+    def __call__(
+        self,
+        x: ArrayLike,
+        *,
+        key: PRNGKeyArray | None = None,
+        inference: bool | None = None,
+    ) -> Array:
+        """**Arguments:**
+
+        - `x`: an array of any shape.
+        - `key`: optional. If given, it is used instead of the layer's stream (which
+            then does not advance), exactly as `equinox.nn.Dropout` uses it: code
+            that passes keys to every layer keeps working.
+        - `inference`: overrides `self.inference` for this call, if given.
+
+        **Returns:**
+
+        `x` with each entry set to zero with probability `p` and the others scaled
+        by `1 / (1 - p)`; in inference mode (or with `p=0`), `x` unchanged.
+
+        **Raises:**
+
+        `RuntimeError` (while tracing) if called under a vmap that the layer was
+        not built under, with no `axis_name`: every example would get the same
+        mask. `NameError` if `axis_name` names no enclosing vmap.
+        """
+        if inference is None:
+            inference = flag_value(self.inference, "Dropout")
+        if self.p == 0:
+            inference = True
+        if inference:
+            return jnp.asarray(x)
+        if key is None:
+            if self.axis_name is None and extra_vmaps(self.rng.state) > 0:
+                raise RuntimeError(
+                    "`jaxstate.nn.Dropout` was called under a vmap that it was not "
+                    "built under, with no `axis_name`: every example would get the "
+                    "same dropout mask. Name the vmap (`jax.vmap(model, "
+                    'axis_name="batch")`) and build the layer with it: '
+                    '`jaxstate.nn.Dropout(p, key=key, axis_name="batch")`. (Layers '
+                    "built under `eqx.filter_vmap`, one per member, need no name.)"
+                )
+            key = self.rng(axis_name=self.axis_name)
+        # As `equinox.nn.Dropout` computes it, for the same numbers to the bit.
+        q = 1 - lax.stop_gradient(self.p)
+        mask = jax.random.bernoulli(key, q, jnp.shape(x))
+        return jnp.where(mask, x / q, 0)
