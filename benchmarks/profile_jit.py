@@ -478,12 +478,12 @@ def _micro(J, plain, timed, state, call_timed, calls):
     add(KEY_IS, lambda: lambda: all(map(operator.is_, key, last_key)))
     parts = [A.analyse(fun), A.analyse({})]
     parts += [a if _is_array(a) else A.analyse(a) for a in args]
-    new_key = J.Call(parts).key
+    new_key = J.Call(parts, memo).key
     if timed.cache.get(new_key) is timed.last[1]:
         add(GET_KEY, lambda: lambda: timed.cache.get(new_key))
     else:
         skipped[GET_KEY] = "an equal key built anew finds no cache entry"
-    add(CALL, lambda: lambda: J.Call(call.parts))
+    add(CALL, lambda: lambda: J.Call(call.parts, memo))
     # The inline pieces of `__call__`. The write-back writes the buffers the states
     # hold now (those the watched call returned may have been donated since).
     impls, get_buf = call.impls, J._get_buf

@@ -272,7 +272,8 @@ class _JitWrapper:
     def _prepare(self, args, kwargs) -> tuple[_Compiled, Call, list, list]:
         memo = self.memo
         call = Call(
-            [memo.fun_part(), memo.kwargs_part(kwargs), *[memo.part(a) for a in args]]
+            [memo.fun_part(), memo.kwargs_part(kwargs), *[memo.part(a) for a in args]],
+            memo,
         )
         compiled = self._compiled(call)
         arrays = call.arrays

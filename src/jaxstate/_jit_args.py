@@ -15,6 +15,7 @@ See docs/design.md, "jaxstate.jit".
 """
 
 import dataclasses
+import operator
 import weakref
 from typing import Any
 
@@ -141,7 +142,6 @@ class Part:
         "mutable",
         "ids",
         "statics",
-        "layout",
     )
 
     def __init__(
@@ -176,9 +176,6 @@ class Part:
         )
         # The storages of indices held in static fields.
         self.statics: list[Storage] = list(statics)
-        # How the last call whose first stateful argument this was numbered its
-        # states (see `Call`).
-        self.layout: Any = None
 
 
 def analyse(tree) -> Part:
@@ -223,15 +220,6 @@ _EMPTY_DICT = analyse({})
 _ARRAY_KEY = (jtu.tree_structure(0), (ARRAY,))  # an array argument's key
 
 
-def _same_parts(previous: list, parts: list) -> bool:
-    if len(previous) != len(parts):
-        return False
-    for a, b in zip(previous, parts, strict=True):  # (runs on every call)
-        if a is not b and (a is not None or type(b) is Part):
-            return False
-    return True
-
-
 class Call:
     """A call's arguments, put together: the cache key, the arrays in order, and the
     distinct states with their slots numbered across all arguments. An array
@@ -249,10 +237,9 @@ class Call:
         "statics",
     )
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, memo: "Memo"):
         self.parts = parts
         arrays, keys, stateful, n_stateful = [], [], _EMPTY_DICT, 0
-        first: Any = None
         for p in parts:  # (one plain loop: this runs on every call)
             if type(p) is Part:
                 arrays += p.arrays
@@ -260,7 +247,6 @@ class Call:
                 if p.storages:
                     stateful = p
                     n_stateful += 1
-                    first = first or p
             else:
                 arrays.append(p)
                 keys.append(_ARRAY_KEY)
@@ -274,39 +260,34 @@ class Call:
             self.impls = stateful.impls
             self.indices = stateful.indices
             self.ids = stateful.ids
-        elif first.layout is not None and _same_parts(first.layout[0], parts):
-            # The same argument objects as last time (a training loop passing
-            # model, optimiser state, metrics): the same numbering.
-            (
-                _,
-                self.key,
-                self.storages,
-                self.handles,
-                self.impls,
-                self.indices,
-                self.ids,
-            ) = first.layout
         else:
-            self._number_across(parts, keys)
-            # Kept on the first stateful part, so that it dies with its object.
-            first.layout = (
-                [p if type(p) is Part else None for p in parts],
-                self.key,
-                self.storages,
-                self.handles,
-                self.impls,
-                self.indices,
-                self.ids,
-            )
+            self._number_across(parts, keys, memo)
 
     def n_first(self) -> int:
         """How many arrays the function, the keyword arguments and the first
         argument hold."""
         return sum(len(p.arrays) if type(p) is Part else 1 for p in self.parts[:3])
 
-    def _number_across(self, parts, keys) -> None:
+    def _number_across(self, parts, keys, memo: "Memo") -> None:
         # Several arguments reach states (perhaps the same ones): one slot per
-        # distinct state, in order of first appearance over all arguments.
+        # distinct state, in order of first appearance over all arguments. A
+        # training loop passes the same states, with the same key objects, on every
+        # call: then the numbering is the last call's, key objects included (so
+        # that the compiled function is found by identity, without hashing).
+        sig = tuple(s.id for p in parts if type(p) is Part for s in p.storages)
+        last = memo.numbering
+        if (
+            last is not None
+            and last[0] == sig
+            and len(last[1]) == len(keys)
+            and all(map(operator.is_, last[1], keys))
+        ):
+            (self.key, self.storages, self.handles, self.impls, self.indices) = last[
+                2:7
+            ]
+            self.ids = last[7]
+            return
+        own_keys = list(keys)
         slot_of: dict[int, int] = {}
         storages, handles = [], []
         for i, p in enumerate(parts):
@@ -328,6 +309,18 @@ class Call:
         self.impls = ref_impls(storages)
         self.indices = {}
         self.ids = [s.id for s in storages if is_set(s)]
+        if all(map(is_set, storages)):
+            # Kept until the next call (see docs/design.md, "Lifetime").
+            memo.numbering = (
+                sig,
+                own_keys,
+                self.key,
+                storages,
+                handles,
+                self.impls,
+                self.indices,
+                self.ids,
+            )
 
 
 class OutPart:
@@ -397,8 +390,9 @@ class OutPart:
         ]
         self._array_pos = [i for i, s in enumerate(spec) if s is ARRAY]
         self._slot_pos = [(i, s[1]) for i, s in enumerate(spec) if is_slot(s)]
+        # Looked up by `(slot, bool)`: hashing a `Flag` runs Python code.
         self._index_pos = [
-            (i, (s[1], s[2]), jtu.tree_structure(leaf, is_leaf=is_leaf))
+            (i, (s[1], s[2].value), s[2], jtu.tree_structure(leaf, is_leaf=is_leaf))
             for i, (s, leaf) in enumerate(zip(spec, leaves, strict=True))
             if _is_index(s)
         ]
@@ -419,11 +413,11 @@ class OutPart:
         for i, slot in self._slot_pos:
             leaves[i] = handles[slot]
         indices = call.indices
-        for i, slot_flag, treedef in self._index_pos:
-            index = indices.get(slot_flag)
+        for i, slot_value, flag, treedef in self._index_pos:
+            index = indices.get(slot_value)
             if index is None:
-                slot, flag = slot_flag
-                index = indices[slot_flag] = treedef.unflatten([handles[slot], flag])
+                index = treedef.unflatten([handles[slot_value[0]], flag])
+                indices[slot_value] = index
             leaves[i] = index
         return leaves
 
@@ -494,6 +488,8 @@ class Memo:
         self.fun = analyse(fun)
         self.entries: dict[int, tuple[Any, Part]] = {}
         self.used: dict[int, tuple[Any, Part]] = {}
+        # The last call's numbering of states across several arguments (`Call`).
+        self.numbering: Any = None
 
     def fun_part(self) -> Part:
         if not self.fun.fixed:
