@@ -1,77 +1,111 @@
-"""Property-based tests: random programs of state operations, run under random stacks
-of transforms, against a plain NumPy model of the intended semantics.
+"""Property-based tests: random programs of state operations, under a random compiler
+and a random stack of transforms, against a plain NumPy model of the intended
+semantics (`_program_model.py`).
 
-A *case* is a stack of transforms (outermost first) around a *program*, a list of
-operations on a few indices from a fixed pool (some of them set under an eager vmap,
-so they carry a batch axis). Each example resets the pool to a random initial
-state, runs the case, and compares the values read, the gradients and every stored
-state (`unsafe_get`) with the reference model. The reference applies the intended
-semantics eagerly, on NumPy arrays:
+A *case* is a compiler (eager, `jax.jit`, `eqx.filter_jit`, `jaxstate.jit` with the
+state passed in or closed over), drawn on its own, around a stack of up to three
+transforms around a *program*, a list of operations on a few indices from a fixed
+pool (some of them set under an eager vmap, so they carry a batch axis). Each
+example resets the pool to a random initial state, runs the case, and compares the
+values returned, the derivatives and every stored state (`unsafe_get`) with the
+reference model, which applies the intended semantics eagerly:
 
 - `get(i)` records the state (one slice per member of the vmaps the state was first
-  set under, broadcast along any other vmap);
-- `set(i, v)` / `add(i, d)` (get, then set) write; a value that differs across a vmap
-  the state was not set under is reduced first (`pmean` for floats, `psum` for
-  integers); `reset(i)` writes the zero value (unbatched, so broadcast);
-- `scan(n)` runs its body n times and stacks what it read; `fori_loop(n)` runs it n
-  times and returns what the last iteration read; `while(n)` (`jaxstate.while_loop`)
-  does the same until a counter *kept in state*, read by the loop condition,
-  reaches n; `cond`/`switch` (static or traced predicate, the program in one
-  branch) run the body or return zeros; `grad` runs its body once and
-  differentiates `p * sum(reads) + p**2` at `p = 1` (so the gradient is
-  `sum(reads) + 2`: no gradient flows through state); the `jit`s (`jaxstate.jit`
-  with the state passed in or closed over), `checkpoint` and `vmap` change nothing
-  else;
-- in inference mode (`tree_inference`) a program that writes raises `RuntimeError`
-  and leaves every state as it was.
+  set under, broadcast along any other vmap), times `p` (= 1) for floats;
+- `set(i, v)` / `add(i, d)` (get, then set) write, once per run of the program; a
+  value that differs across a vmap the state was not set under is reduced first
+  (`pmean` for floats, `psum` for integers); `reset(i)` writes zeros;
+- `scan(n)` and `lax.map(n)` run the body n times and stack what it returned;
+  `lax.map(n, batch_size=k)` runs it once per batch (a vmap whose members write the
+  same value: one write each), and every member of a batch returns the same;
+  `fori_loop(n)` returns what the last iteration returned; `while(n)`
+  (`jaxstate.while_loop`) does the same until a counter *kept in state*, read by the
+  loop condition, reaches n; `cond`/`switch` (static or traced predicate, the
+  program in one branch) run the body or return zeros;
+- `grad`, `jvp`, `linearize` and `jax.hessian` run the body once and differentiate
+  `p**2 + sum(outputs)` with respect to `p` (no derivative flows through state:
+  reads are constants); they return the body's outputs, the loss and its first (or,
+  for `hessian`, second) derivative; `custom_vjp` runs the body once and declares
+  each output's derivative to be its value;
+- `checkpoint` (`jax.checkpoint`, `eqx.filter_checkpoint`, remat policies), the
+  compilers, nested jits and `vmap` change nothing else; a jitted function reused
+  under vmap is called once outside the vmap (one member's values) and then under
+  it, and returns both results;
+- in inference mode (the model switched with `tree_inference` before it is passed in
+  or closed over) the first write raises `RuntimeError`;
+- a region that JAX traces before it runs (a compiled function, a loop or cond
+  body, a checkpoint) is all or nothing: if anything in it is refused, every state
+  is as it was before it. Eager code and eager `vmap`/`grad`/`jvp`/... run operation
+  by operation: what ran before the refusal stays.
 
 A second property inserts one faulty operation (bad shape, dtype, structure, a
-Python number, a bad `like`, an unreduced per-example write, a plain exception)
-into a valid program: it must raise the documented error, and every state must be
-as before (or, when nothing traces first, as the operations before it left it).
+Python number, a bad `like`, an unreduced per-member write, a plain exception)
+into a valid program: it must raise the documented error and leave every state as
+the reference says.
 
-The pool is fixed and the traced functions are cached by the structure of a case
-(values are arguments), so repeated structures, shrinking in particular, reuse
-compilations.
+Traced functions are cached by the structure of a case (values are arguments), so
+repeated structures, shrinking in particular, reuse compilations.
 
-Profiles: `JAXSTATE_HYPOTHESIS_PROFILE=nightly` (5,000 examples) or `quick` (100);
+Profiles: `JAXSTATE_HYPOTHESIS_PROFILE=nightly` (10,000 examples) or `quick` (100);
 see docs/testing.md.
 """
 
-import dataclasses
-import functools
 import os
 import re
-from typing import Any
 
-import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
+from _program_model import (
+    arguments,
+    batched_ok,
+    build,
+    Case,
+    CHECKPOINTS,
+    COMPILERS,
+    FAULTS,
+    GRID_KINDS,
+    GRID_SIZES,
+    JIT_FLAVOURS,
+    LOOP_KINDS,
+    MAP_BATCH,
+    model,
+    NAMES,
+    Op,
+    POOL,
+    pool,
+    Reference,
+    Refused,
+    Slot,
+    UNBATCHED,
+    values,
+    W,
+)
 from hypothesis import given, HealthCheck, settings, strategies as st
 
 import jaxstate
 
 
 #
-# Hypothesis profiles. The default run (1,000 examples) takes about 30 s on two
-# cores; `JAXSTATE_HYPOTHESIS_PROFILE=nightly` runs 5,000, `quick` 100.
+# Hypothesis profiles. The default run (700 examples) takes about 40 s on two
+# cores; `JAXSTATE_HYPOTHESIS_PROFILE=nightly` runs 10,000 (about 11 minutes),
+# `quick` 100.
 # No example database is written (the repository does not ignore `.hypothesis/`);
 # a failure prints a `@reproduce_failure` blob instead.
 #
 settings.register_profile(
     "jaxstate-default",
-    max_examples=1000,
+    max_examples=700,
     deadline=None,
     database=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
-    "jaxstate-nightly", settings.get_profile("jaxstate-default"), max_examples=5000
+    "jaxstate-nightly", settings.get_profile("jaxstate-default"), max_examples=10000
 )
 settings.register_profile(
     "jaxstate-quick", settings.get_profile("jaxstate-default"), max_examples=100
@@ -82,526 +116,6 @@ TOTAL_EXAMPLES = PROFILE.max_examples
 # How the total is split between the property tests of this file.
 PROGRAM_EXAMPLES = TOTAL_EXAMPLES * 3 // 4
 FAILURE_EXAMPLES = TOTAL_EXAMPLES - PROGRAM_EXAMPLES
-
-VMAP_SIZES = (3, 2)  # the first vmap of a stack has 3 members, a second one 2
-VMAP_NAMES = ("v0", "v1")
-F32, I32 = np.dtype("float32"), np.dtype("int32")
-
-
-#
-# The pool of indices. `template` gives the structure, shapes and dtypes of one
-# member's state; `batched` ones are first set under an eager vmap of size 3.
-#
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    name: str
-    template: Any
-    batched: bool
-
-    @property
-    def leaves(self) -> list[tuple[tuple[int, ...], np.dtype]]:
-        return [(s.shape, s.dtype) for s in jtu.tree_leaves(self.template)]
-
-    @property
-    def treedef(self):
-        return jtu.tree_structure(self.template)
-
-    def stored_shape(self, shape):
-        return ((VMAP_SIZES[0],) if self.batched else ()) + shape
-
-
-def _sds(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-POOL = {
-    s.name: s
-    for s in [
-        Slot("a", _sds((), F32), False),
-        Slot("b", _sds((2,), F32), False),
-        Slot("c", _sds((3,), I32), False),
-        Slot("d", {"n": _sds((), I32), "x": _sds((2,), F32)}, False),
-        Slot("B", _sds((2,), F32), True),
-        Slot("C", _sds((), I32), True),
-        Slot("D", (_sds((), F32), _sds((2,), I32)), True),
-    ]
-}
-NAMES = tuple(POOL)
-UNBATCHED = tuple(n for n in NAMES if not POOL[n].batched)
-MAX_DEPTH = 3  # wrappers per stack; one loop counter per stack position
-
-
-def _zeros(slot: Slot):
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), slot.template)
-
-
-@functools.cache
-def _pool():
-    """`(indices, counters)`: made once, reset by every example (`unsafe_set`)."""
-    indices = []
-    for slot in POOL.values():
-        if slot.batched:
-            index = jaxstate.StateIndex()
-            jax.vmap(
-                lambda _, slot=slot, index=index: jaxstate.set_state(
-                    index, _zeros(slot)
-                )
-            )(jnp.arange(VMAP_SIZES[0]))
-        else:
-            index = jaxstate.StateIndex(init=_zeros(slot))
-        indices.append(index)
-    counters = tuple(
-        jaxstate.StateIndex(init=jnp.array(0, jnp.int32)) for _ in range(MAX_DEPTH)
-    )
-    return tuple(indices), counters
-
-
-#
-# Operations. Their reprs are what a failing example shows.
-#
-def _fmt(x) -> str:
-    return (
-        np.array2string(np.asarray(x), separator=",").replace("\n", "").replace(" ", "")
-    )
-
-
-def _fmt_tree(tree) -> str:
-    leaves = jtu.tree_leaves(tree)
-    if len(leaves) == 1:
-        return _fmt(leaves[0])
-    return "(" + ", ".join(_fmt(x) for x in leaves) + ")"
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    kind: str  # "get", "set", "add", "reset"
-    target: str
-    per_member: bool = False  # value batched along every vmap (reduced as needed)
-    like: bool = False  # `get_state(index, like=...)`
-    value: Any = None  # list of NumPy leaves, for set and add
-    fault: str = ""  # for kind "bad": what is wrong, see `FAULTS`
-
-    @property
-    def writes(self) -> bool:
-        return self.kind not in ("get", "bad")
-
-    def key(self):
-        return (self.kind, self.target, self.per_member, self.like, self.fault)
-
-    def _repr_pretty_(self, p, cycle):  # what Hypothesis prints
-        p.text(repr(self))
-
-    def __repr__(self) -> str:
-        if self.kind == "get":
-            return f"get({self.target}{', like' if self.like else ''})"
-        if self.kind == "reset":
-            return f"reset({self.target})"
-        if self.kind == "bad":
-            return f"BAD_{self.fault}({self.target})"
-        how = ", per member" if self.per_member else ""
-        return f"{self.kind}({self.target}, {_fmt_tree(self.value)}{how})"
-
-
-#
-# Transforms. `key()` is what the traced function depends on; `__repr__` is for
-# people.
-#
-@dataclasses.dataclass(frozen=True)
-class W:
-    kind: str
-    n: int = 0  # scan length, while iterations
-    pred: bool = True  # cond
-    traced: bool = False  # cond: predicate traced (an argument) or a Python bool
-    flag: bool = False  # inference
-
-    def key(self):
-        if self.kind in ("cond", "switch") and self.traced:
-            return (self.kind, "traced")
-        return (self.kind, self.n, self.pred, self.traced, self.flag)
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))
-
-    def __repr__(self) -> str:
-        if self.kind in ("scan", "while", "fori_loop"):
-            return f"{self.kind}({self.n})"
-        if self.kind == "switch":  # the program is branch 1 of 3
-            return f"switch({self.n}{', traced' if self.traced else ', static'})"
-        if self.kind == "cond":
-            return f"cond({self.pred}{', traced' if self.traced else ', static'})"
-        if self.kind == "inference":
-            return f"tree_inference({self.flag})"
-        return self.kind
-
-
-JITS = ("jax.jit", "eqx.filter_jit", "jaxstate.jit", "jaxstate.jit(closure)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    stack: tuple[W, ...]
-    program: tuple[Op, ...]
-    init: dict  # name -> NumPy leaves (stacked for batched slots)
-
-    @property
-    def grid(self) -> tuple[int, ...]:
-        n = sum(w.kind == "vmap" for w in self.stack)
-        return VMAP_SIZES[:n]
-
-    def _repr_pretty_(self, p, cycle):
-        p.text(repr(self))
-
-    def __repr__(self) -> str:
-        used = sorted({op.target for op in self.program}, key=NAMES.index)
-        init = ", ".join(f"{n}={_fmt_tree(self.init[n])}" for n in used)
-        return (
-            f"Case(stack={list(self.stack)}, program={list(self.program)}, "
-            f"init={{{init}}})"
-        )
-
-
-#
-# The traced side.
-#
-def _reduce(x, names):
-    if not names:
-        return x
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.pmean(x, names)
-    return lax.psum(x, names)
-
-
-def _program_fn(program: tuple, vmap_names: tuple[str, ...]):
-    def run(model, vals, uvals):
-        indices = dict(zip(NAMES, model[0]))
-        reads = []
-        for k, (kind, target, per_member, like, fault) in enumerate(program):
-            index, slot = indices[target], POOL[target]
-            if kind == "bad":
-                _bad(index, slot, fault, vals)
-                continue
-            if kind == "get":
-                reads.append(jaxstate.get_state(index, _zeros(slot) if like else None))
-                continue
-            if kind == "reset":
-                jaxstate.set_state(index, _zeros(slot))
-                continue
-            if per_member:
-                extra = vmap_names[1:] if slot.batched else vmap_names
-                value = [_reduce(x, extra) for x in vals["ops"][k]]
-            else:
-                value = list(uvals["ops"][k])
-            if kind == "add":
-                old = jtu.tree_leaves(jaxstate.get_state(index))
-                value = [a + b for a, b in zip(old, value)]
-            jaxstate.set_state(index, jtu.tree_unflatten(slot.treedef, value))
-        return tuple(reads)
-
-    return run
-
-
-#
-# Faults: operations that must fail, with the error they raise.
-#
-FAULTS = {
-    "shape": (RuntimeError, "has a leaf 0 of"),
-    "dtype": (RuntimeError, "has a leaf 0 of"),
-    "structure": (RuntimeError, "has PyTree structure"),
-    "python_number": (TypeError, "must be a PyTree of arrays"),
-    "like": (RuntimeError, "`like` passed to `get_state`"),
-    "unreduced": (RuntimeError, "one slot for many values"),
-    "user_error": (ValueError, "a bug in the step"),
-}
-
-
-def _bad(index, slot: Slot, fault: str, vals):
-    leaves = [jnp.zeros(shape, dtype) for shape, dtype in slot.leaves]
-    first = leaves[0]
-    if fault == "user_error":
-        raise ValueError("a bug in the step")
-    if fault in ("shape", "like"):
-        leaves[0] = jnp.zeros(first.shape + (2,), first.dtype)
-    elif fault == "dtype":
-        other = jnp.int32 if jnp.issubdtype(first.dtype, jnp.floating) else jnp.float32
-        leaves[0] = first.astype(other)
-    elif fault == "python_number":
-        leaves[0] = 1.0
-    elif fault == "unreduced":  # differs across every vmap: not reduced
-        leaves = [x + vals["dummy"].astype(x.dtype) for x in leaves]
-    if fault == "structure":
-        value = list(leaves)
-    else:
-        value = jtu.tree_unflatten(slot.treedef, leaves)
-    if fault == "like":
-        jaxstate.get_state(index, like=value)
-    else:
-        jaxstate.set_state(index, value)
-
-
-def _zeros_like_shapes(shapes):
-    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-def _wrap(w_key, pos: int, vmap_name, inner):
-    kind = w_key[0]
-    if kind == "jax.jit":
-        return jax.jit(inner)
-    if kind == "eqx.filter_jit":
-        return eqx.filter_jit(inner)
-    if kind == "jaxstate.jit":
-        return jaxstate.jit(inner)
-    if kind == "jaxstate.jit(closure)":
-        # The state is reached through the closure: JAX's reference path.
-        return lambda model, vals, uvals: jaxstate.jit(lambda v, u: inner(model, v, u))(
-            vals, uvals
-        )
-    if kind == "checkpoint":
-        return jax.checkpoint(inner)
-    if kind == "vmap":
-        return jax.vmap(inner, in_axes=(None, 0, None), axis_name=vmap_name)
-    if kind == "scan":
-        n = w_key[1]
-
-        def scan(model, vals, uvals):
-            body = lambda c, _: (c, inner(model, vals, uvals))
-            return lax.scan(body, 0, None, length=n)[1]
-
-        return scan
-    if kind == "cond":
-
-        def cond(model, vals, uvals):
-            pred = uvals["preds"][pos] if w_key[1] == "traced" else w_key[2]
-            shapes = jax.eval_shape(inner, model, vals, uvals)
-            return lax.cond(
-                pred,
-                lambda: inner(model, vals, uvals),
-                lambda: _zeros_like_shapes(shapes),
-            )
-
-        return cond
-    if kind == "switch":
-
-        def switch(model, vals, uvals):
-            k = uvals["preds"][pos] if w_key[1] == "traced" else w_key[1]
-            shapes = jax.eval_shape(inner, model, vals, uvals)
-            zeros = lambda: _zeros_like_shapes(shapes)
-            return lax.switch(k, [zeros, lambda: inner(model, vals, uvals), zeros])
-
-        return switch
-    if kind == "fori_loop":
-        n = w_key[1]
-
-        def fori(model, vals, uvals):
-            shapes = jax.eval_shape(inner, model, vals, uvals)
-            body = lambda i, reads: inner(model, vals, uvals)
-            return lax.fori_loop(0, n, body, _zeros_like_shapes(shapes))
-
-        return fori
-    if kind == "while":
-        n = w_key[1]
-
-        def while_(model, vals, uvals):
-            count = model[1][pos]
-            jaxstate.set_state(count, jnp.array(0, jnp.int32))
-            shapes = jax.eval_shape(inner, model, vals, uvals)
-
-            def body(_):
-                reads = inner(model, vals, uvals)
-                jaxstate.set_state(count, jaxstate.get_state(count) + 1)
-                return reads
-
-            return jaxstate.while_loop(
-                lambda _: jaxstate.get_state(count) < n,
-                body,
-                _zeros_like_shapes(shapes),
-            )
-
-        return while_
-    if kind == "grad":
-
-        def grad(model, vals, uvals):
-            def loss(p):
-                scale = lambda x: x * p if jnp.issubdtype(x.dtype, jnp.floating) else x
-                reads = inner(
-                    model,
-                    jtu.tree_map(scale, vals),
-                    {**uvals, "ops": jtu.tree_map(scale, uvals["ops"])},
-                )
-                total = sum(
-                    jnp.sum(r.astype(jnp.float32)) for r in jtu.tree_leaves(reads)
-                )
-                return total * p + p * p, reads
-
-            (_, reads), g = jax.value_and_grad(loss, has_aux=True)(uvals["p"])
-            return reads, g
-
-        return grad
-    if kind == "inference":
-        flag = w_key[4]
-        return lambda model, vals, uvals: inner(
-            (jaxstate.tree_inference(model[0], flag), model[1]), vals, uvals
-        )
-    raise AssertionError(kind)
-
-
-@functools.lru_cache(maxsize=2048)
-def _build(stack_key: tuple, program_key: tuple):
-    """The transformed function of a case structure; cached so that compiled code is
-    reused across examples with the same structure."""
-    vmap_names = tuple(
-        VMAP_NAMES[i] for i in range(sum(k[0] == "vmap" for k in stack_key))
-    )
-    fn = _program_fn(program_key, vmap_names)
-    names = iter(reversed(vmap_names))
-    for pos in reversed(range(len(stack_key))):
-        w_key = stack_key[pos]
-        fn = _wrap(w_key, pos, next(names) if w_key[0] == "vmap" else None, fn)
-    return fn
-
-
-def _arguments(case: Case):
-    vals = {"ops": [], "dummy": jnp.zeros(case.grid)}
-    uvals = {"ops": [], "p": jnp.float32(1.0), "preds": []}
-    for op in case.program:
-        value = None if op.value is None else [jnp.asarray(x) for x in op.value]
-        vals["ops"].append(value if op.per_member else None)
-        uvals["ops"].append(None if op.per_member else value)
-    for w in case.stack:
-        pred = {"cond": jnp.asarray(w.pred), "switch": jnp.int32(w.n)}.get(w.kind)
-        uvals["preds"].append(pred)
-    vals["ops"], uvals["ops"] = tuple(vals["ops"]), tuple(uvals["ops"])
-    uvals["preds"] = tuple(uvals["preds"])
-    return vals, uvals
-
-
-#
-# The reference model.
-#
-class InferenceWrite(Exception):
-    pass
-
-
-class Fault(Exception):
-    pass
-
-
-class Reference:
-    def __init__(self, case: Case):
-        self.case = case
-        self.state = {n: [np.array(x) for x in case.init[n]] for n in NAMES}
-        self.counters = [np.int32(0)] * MAX_DEPTH
-        self.grid = case.grid
-
-    def _snapshot(self):
-        return (
-            {n: [x.copy() for x in v] for n, v in self.state.items()},
-            list(self.counters),
-        )
-
-    def _restore(self, snap):
-        self.state, self.counters = snap
-
-    def _shapes(self, pos, n_vmaps, flag):
-        snap = self._snapshot()
-        try:
-            return self.run(pos, n_vmaps, flag)
-        finally:
-            self._restore(snap)
-
-    def _read(self, name):
-        slot = POOL[name]
-        out = []
-        for x, (shape, _) in zip(self.state[name], slot.leaves):
-            if slot.batched:
-                x = x.reshape((self.grid[0],) + (1,) * (len(self.grid) - 1) + shape)
-            out.append(np.broadcast_to(x, self.grid + shape).copy())
-        return jtu.tree_unflatten(slot.treedef, out)
-
-    def _value(self, op: Op):
-        slot = POOL[op.target]
-        out = []
-        for x, (shape, dtype) in zip(op.value, slot.leaves):
-            x = np.asarray(x)
-            if op.per_member:
-                keep = 1 if slot.batched else 0
-                axes = tuple(range(keep, len(self.grid)))
-                if axes:
-                    x = (x.mean(axes) if dtype == F32 else x.sum(axes)).astype(dtype)
-            out.append(np.broadcast_to(x, slot.stored_shape(shape)).astype(dtype))
-        return out
-
-    def _program(self, flag):
-        if flag and any(op.writes for op in self.case.program):
-            raise InferenceWrite
-        reads = []
-        for op in self.case.program:
-            slot = POOL[op.target]
-            if op.kind == "bad":
-                raise Fault(op.fault)
-            if op.kind == "get":
-                reads.append(self._read(op.target))
-            elif op.kind == "reset":
-                self.state[op.target] = [
-                    np.zeros(slot.stored_shape(shape), dtype)
-                    for shape, dtype in slot.leaves
-                ]
-            elif op.kind == "set":
-                self.state[op.target] = self._value(op)
-            else:
-                self.state[op.target] = [
-                    (a + b).astype(a.dtype)
-                    for a, b in zip(self.state[op.target], self._value(op))
-                ]
-        return tuple(reads)
-
-    def run(self, pos=0, n_vmaps=0, flag=False):
-        """What the stack from `pos` inwards returns; `n_vmaps` vmaps enclose it."""
-        stack = self.case.stack
-        if pos == len(stack):
-            return self._program(flag)
-        w = stack[pos]
-        if w.kind == "vmap":
-            return self.run(pos + 1, n_vmaps + 1, flag)
-        if w.kind == "inference":
-            return self.run(pos + 1, n_vmaps, w.flag)
-        if w.kind == "scan":
-            if w.n == 0:
-                shapes = self._shapes(pos + 1, n_vmaps, flag)
-                return jtu.tree_map(
-                    lambda x: np.zeros(
-                        x.shape[:n_vmaps] + (0,) + x.shape[n_vmaps:], x.dtype
-                    ),
-                    shapes,
-                )
-            outs = [self.run(pos + 1, n_vmaps, flag) for _ in range(w.n)]
-            return jtu.tree_map(lambda *xs: np.stack(xs, axis=n_vmaps), *outs)
-        if w.kind == "cond":
-            if w.pred:
-                return self.run(pos + 1, n_vmaps, flag)
-            return jtu.tree_map(np.zeros_like, self._shapes(pos + 1, n_vmaps, flag))
-        if w.kind == "switch":
-            if w.n == 1:
-                return self.run(pos + 1, n_vmaps, flag)
-            return jtu.tree_map(np.zeros_like, self._shapes(pos + 1, n_vmaps, flag))
-        if w.kind == "fori_loop":
-            out = jtu.tree_map(np.zeros_like, self._shapes(pos + 1, n_vmaps, flag))
-            for _ in range(w.n):
-                out = self.run(pos + 1, n_vmaps, flag)
-            return out
-        if w.kind == "while":
-            self.counters[pos] = np.int32(0)
-            out = jtu.tree_map(np.zeros_like, self._shapes(pos + 1, n_vmaps, flag))
-            for _ in range(w.n):
-                out = self.run(pos + 1, n_vmaps, flag)
-                self.counters[pos] = np.int32(self.counters[pos] + 1)
-            return out
-        if w.kind == "grad":
-            reads = self.run(pos + 1, n_vmaps, flag)
-            g = np.full(self.grid[:n_vmaps], 2.0, np.float64)
-            for r in jtu.tree_leaves(reads):
-                g = g + r.astype(np.float64).sum(tuple(range(n_vmaps, r.ndim)))
-            return reads, g.astype(np.float32)
-        return self.run(pos + 1, n_vmaps, flag)  # jits, checkpoint
 
 
 #
@@ -623,21 +137,25 @@ def _leaves_st(slot: Slot, prefix: tuple[int, ...]):
     ).map(list)
 
 
+# Transform kinds, the more interesting ones more often. The order is also the
+# shrinking order: Hypothesis prefers the earlier ones.
 _KINDS = (
-    "jaxstate.jit",
     "vmap",
-    "jax.jit",
+    "grad",
+    "checkpoint",
+    "jit",
     "scan",
     "cond",
-    "grad",
-    "eqx.filter_jit",
-    "while",
-    "jaxstate.jit(closure)",
-    "checkpoint",
+    "jit_vmap",
+    "jvp",
+    "hessian",
     "vmap",
-    "inference",
-    "jaxstate.jit",
-    "cond",
+    "custom_vjp",
+    "linearize",
+    "map",
+    "while",
+    "grad",
+    "checkpoint",
     "switch",
     "fori_loop",
 )
@@ -648,40 +166,77 @@ def _wrapper(draw):
     kind = draw(st.sampled_from(_KINDS))
     if kind == "scan":
         return W(kind, n=draw(st.sampled_from([1, 3, 0])))
-    if kind == "while":
+    if kind == "map":
+        n, batch = draw(
+            st.sampled_from([(3, 0), (4, MAP_BATCH), (3, MAP_BATCH), (0, 0)])
+        )
+        return W(kind, n=n, batch=batch)
+    if kind in ("while", "fori_loop"):
         return W(kind, n=draw(st.sampled_from([2, 0])))
     if kind == "cond":
         return W(kind, pred=draw(st.booleans()), traced=draw(st.booleans()))
     if kind == "switch":
         return W(kind, n=draw(st.sampled_from([1, 0, 2])), traced=draw(st.booleans()))
-    if kind == "fori_loop":
-        return W(kind, n=draw(st.sampled_from([2, 0])))
-    if kind == "inference":
-        return W(kind, flag=draw(st.booleans()))
+    if kind in ("jit", "jit_vmap"):
+        return W(kind, variant=draw(st.sampled_from(JIT_FLAVOURS)))
+    if kind == "checkpoint":
+        return W(kind, variant=draw(st.sampled_from(CHECKPOINTS)))
     return W(kind)
 
 
 def _valid_stack(stack) -> bool:
     kinds = [w.kind for w in stack]
-    if kinds.count("vmap") > len(VMAP_SIZES):
+    if sum(k in GRID_KINDS for k in kinds) > len(GRID_SIZES):
         return False
-    if "grad" not in kinds:
-        return True
-    below_grad = kinds[kinds.index("grad") :]
-    # JAX cannot reverse-differentiate a while loop (jaxstate's or its own).
-    if "while" in below_grad:
-        return False
-    # JAX limit: a cond with state effects inside a scan under grad (see
-    # `test_known_limit_cond_with_state_in_a_scan_under_grad`).
-    loops = [i for i, k in enumerate(below_grad) if k in ("scan", "fori_loop")]
-    if loops and any(k in ("cond", "switch") for k in below_grad[loops[0] :]):
-        return False
+    for i, k in enumerate(kinds):
+        below = kinds[i + 1 :]
+        if k in ("grad", "hessian", "linearize"):  # JAX partially evaluates these
+            # JAX cannot reverse-differentiate a while loop (jaxstate's or its own);
+            # it linearizes one by running it again with every call of the linear
+            # function, writes included (`test_known_limit_linearize_of_a_while_
+            # loop_with_state`).
+            if "while" in below:
+                return False
+            # JAX limit: a cond with state effects inside a scan under grad (see
+            # `test_known_limit_cond_with_state_in_a_scan_under_grad`).
+            loops = [j for j, b in enumerate(below) if b in LOOP_KINDS]
+            if loops and any(b in ("cond", "switch") for b in below[loops[0] :]):
+                return False
+        if k in ("vmap", "jit_vmap", "hessian") or (k == "map" and stack[i].batch):
+            # JAX bug, also for raw refs: a loop reading state in a checkpoint
+            # under reverse mode under a vmap does not compile
+            # (`test_known_limit_loop_in_a_checkpoint_under_grad_under_vmap`).
+            # `jax.hessian` is `jacfwd` (a vmap) of `jacrev`.
+            rest = kinds[i:] if k == "hessian" else below
+            rev = [
+                j for j, b in enumerate(rest) if b in ("grad", "hessian", "linearize")
+            ]
+            ckpt = [
+                j
+                for j, b in enumerate(rest)
+                if b == "checkpoint" and rev and j > rev[0]
+            ]
+            if ckpt and any(b in (*LOOP_KINDS, "while") for b in rest[ckpt[0] :]):
+                return False
+        if k == "map" and stack[i].batch:
+            # JAX bug, with or without state: `lax.map(f, xs, batch_size=2)` fails
+            # (ZeroDivisionError) when `f` returns an empty array.
+            if any(b.kind in ("scan", "map") and b.n == 0 for b in stack[i + 1 :]):
+                return False
+        if k == "custom_vjp":
+            above = kinds[:i]
+            # JAX has no forward mode for `custom_vjp`; the reference declares its
+            # derivative to first order only.
+            if any(a in ("jvp", "linearize", "hessian") for a in above):
+                return False
+            if above.count("grad") > 1:
+                return False
     return True
 
 
 @st.composite
 def _stacks(draw):
-    # Mostly one to three transforms; an empty stack (eager) now and then.
+    # Mostly one to three transforms; an empty stack now and then.
     n = draw(st.sampled_from([1, 2, 3, 2, 3, 0]))
     return tuple(draw(st.lists(_wrapper(), min_size=n, max_size=n)))
 
@@ -703,62 +258,70 @@ def _op(draw, names, grid):
     return Op(kind, target, per_member=per_member, value=value)
 
 
+_TRACED_BODIES = (
+    *LOOP_KINDS,
+    "jit",
+    "jit_vmap",
+    "checkpoint",
+    "cond",
+    "switch",
+    "while",
+)
+
+
+def _known_issue(stack) -> bool:
+    """A jaxstate issue, reported: `custom_vjp` in a traced body under a vmap loses
+    that vmap (`test_known_issue_custom_derivative_with_batched_state_in_a_traced_
+    body`). Until it is fixed, programs under such stacks use no batched state."""
+    kinds = [w.kind for w in stack]
+    if "custom_vjp" not in kinds or not any(k in GRID_KINDS for k in kinds):
+        return False
+    first_vmap = min(i for i, k in enumerate(kinds) if k in GRID_KINDS)
+    custom = max(i for i, k in enumerate(kinds) if k == "custom_vjp")
+    return any(k in _TRACED_BODIES for k in kinds[first_vmap:custom])
+
+
 @st.composite
 def cases(draw, stack_strategy=stacks):
+    compiler = draw(st.sampled_from(COMPILERS))
     stack = draw(stack_strategy)
-    case = Case(stack, (), {})
-    names = NAMES if case.grid else UNBATCHED
+    grid = Case(compiler, stack, (), {}).grid
+    names = NAMES if batched_ok(stack) and not _known_issue(stack) else UNBATCHED
+    # Mostly as built (training mode); now and then switched to inference or back.
+    inference = draw(st.sampled_from([None, None, None, None, True, False]))
     used = draw(st.lists(st.sampled_from(names), min_size=2, max_size=4, unique=True))
-    program = tuple(draw(st.lists(_op(used, case.grid), min_size=1, max_size=5)))
+    program = tuple(draw(st.lists(_op(used, grid), min_size=1, max_size=5)))
     init = {
-        n: draw(_leaves_st(s, (VMAP_SIZES[0],) if s.batched else ()))
+        n: draw(_leaves_st(s, (GRID_SIZES[0],) if s.batched else ()))
         if n in used
         else [np.zeros(s.stored_shape(sh), dt) for sh, dt in s.leaves]
         for n, s in POOL.items()
     }
-    return Case(stack, program, init)
-
-
-def _traced(stack) -> bool:
-    """Whether the program is traced before any of it runs. Eager `vmap` and `grad`
-    run their body operation by operation, and so does `jaxstate.jit` inside them:
-    it "traces through" to the enclosing (eager) transform instead of compiling."""
-    for pos, w in enumerate(stack):
-        if w.kind in ("jax.jit", "eqx.filter_jit", "checkpoint", "while"):
-            return True
-        if w.kind in ("scan", "fori_loop", "cond", "switch"):
-            return True
-        if w.kind.startswith("jaxstate.jit") and pos == 0:
-            return True
-    return False
-
-
-def _no_inference(stack) -> bool:
-    return all(w.kind != "inference" for w in stack)
+    return Case(compiler, stack, program, init, inference)
 
 
 @st.composite
 def failing_cases(draw):
     """A valid program with one faulty operation inserted somewhere."""
-    case = draw(cases(stacks.filter(_no_inference)))
+    case = draw(cases())
     used = sorted({op.target for op in case.program}, key=NAMES.index)
     target = draw(st.sampled_from(used))
     slot = POOL[target]
     faults = [f for f in FAULTS if f != "unreduced"]
-    n_extra = len(case.grid) - (1 if slot.batched else 0)
-    if n_extra > 0:
+    if len(case.grid) - (1 if slot.batched else 0) > 0:
         faults.append("unreduced")
     bad = Op("bad", target, fault=draw(st.sampled_from(faults)))
     at = draw(st.integers(0, len(case.program)))
     program = case.program[:at] + (bad,) + case.program[at:]
-    return Case(case.stack, program, case.init)
+    # Not in inference mode: `set_state` would refuse the write before its value.
+    return Case(case.compiler, case.stack, program, case.init)
 
 
 #
 # Running a case.
 #
 def _reset(case: Case):
-    indices, counters = _pool()
+    indices, counters = pool()
     for index, name in zip(indices, NAMES):
         index.unsafe_set(
             jtu.tree_unflatten(
@@ -768,12 +331,6 @@ def _reset(case: Case):
     for c in counters:
         c.unsafe_set(jnp.array(0, jnp.int32))
     return indices, counters
-
-
-def _stored(indices, counters):
-    return [jtu.tree_leaves(i.unsafe_get()) for i in indices], [
-        c.unsafe_get() for c in counters
-    ]
 
 
 def _assert_close(actual, expected, what):
@@ -788,31 +345,27 @@ def _assert_close(actual, expected, what):
 
 
 def _check(case: Case):
+    """Runs `case` and compares it with the reference; returns what was refused
+    (`(error type, message part)`), or `None`."""
     indices, counters = _reset(case)
     ref = Reference(case)
     try:
-        expected = ref.run()
-        expected_error = False
-    except InferenceWrite:
-        expected_error = True
-    fn = _build(
-        tuple(w.key() for w in case.stack), tuple(op.key() for op in case.program)
-    )
-    vals, uvals = _arguments(case)
-    model = (indices, counters)
-    if expected_error:
-        before = _stored(indices, counters)
-        with pytest.raises(RuntimeError, match="inference mode"):
-            fn(model, vals, uvals)
-        _assert_close(_stored(indices, counters), before, "state after a refused set")
-        return
-    out = fn(model, vals, uvals)
-    _assert_close(out, expected, "values read")
-    states, counts = _stored(indices, counters)
-    for name, leaves in zip(NAMES, states):
-        _assert_close(leaves, ref.state[name], f"state {name}")
-    for pos, (c, e) in enumerate(zip(counts, ref.counters)):
-        assert c == e, f"loop counter {pos}: {c} != {e}"
+        expected, refused = values(ref.run()), None
+    except Refused as e:
+        expected, refused = None, e.args[0]
+    fn = build(case.key())
+    vals, uvals = arguments(case)
+    if refused is None:
+        _assert_close(fn(model(case.inference), vals, uvals), expected, "outputs")
+    else:
+        error, match = refused
+        with pytest.raises(error, match=re.escape(match)):
+            fn(model(case.inference), vals, uvals)
+    for name, index in zip(NAMES, indices):
+        _assert_close(jtu.tree_leaves(index.unsafe_get()), ref.state[name], name)
+    for pos, (c, e) in enumerate(zip(counters, ref.counters)):
+        assert c.unsafe_get() == e, f"loop counter {pos}: {c.unsafe_get()} != {e}"
+    return refused
 
 
 @settings(PROFILE, max_examples=PROGRAM_EXAMPLES)
@@ -826,31 +379,14 @@ def test_programs_match_the_reference(case):
 def test_a_failing_operation_raises_and_commits_nothing(case):
     """Under any transform that traces, nothing runs, so every state (including
     those written before the faulty operation) is as it was. Eagerly (no transform,
-    or only eager `vmap`/`grad`, which execute operation by operation) the
+    or only eager `vmap`/`grad`/..., which execute operation by operation) the
     operations before the faulty one have run, as in any eager code."""
-    indices, counters = _reset(case)
-    ref = Reference(case)
-    fault = None
-    try:
-        ref.run()
-    except Fault as e:
-        fault = e.args[0]
-    assert fault is not None
-    if _traced(case.stack):
-        ref = Reference(case)  # nothing runs
-    fn = _build(
-        tuple(w.key() for w in case.stack), tuple(op.key() for op in case.program)
-    )
-    vals, uvals = _arguments(case)
-    error, match = FAULTS[fault]
-    with pytest.raises(error, match=re.escape(match)):
-        fn((indices, counters), vals, uvals)
-    states, counts = _stored(indices, counters)
-    for name, leaves in zip(NAMES, states):
-        _assert_close(leaves, ref.state[name], f"state {name}")
-    assert [int(c) for c in counts] == [0] * MAX_DEPTH
+    assert _check(case) is not None
 
 
+#
+# Regressions and known limits.
+#
 def test_jit_of_a_wrapped_jaxstate_jit():
     # Regression: jaxstate.jit used to copy the wrapped function's `__dict__`
     # (which jax.vmap/grad/checkpoint copy from an inner jaxstate.jit function),
@@ -866,9 +402,11 @@ def test_jit_of_a_wrapped_jaxstate_jit():
     strict=True,
     raises=NotImplementedError,
     reason="JAX 0.10 limit, also for raw jax.Refs: 'State effect not supported in cond "
-    "partial-eval' for a cond with state effects in a scan/fori_loop under grad",
+    "partial-eval' for a cond with state effects in a scan/fori_loop under grad or "
+    "linearize (jvp works)",
 )
-def test_known_limit_cond_with_state_in_a_scan_under_grad():
+@pytest.mark.parametrize("transform", ["grad", "linearize"])
+def test_known_limit_cond_with_state_in_a_scan_under_grad(transform):
     index = jaxstate.StateIndex(init=jnp.array(2.0))
 
     def loss(p):
@@ -878,4 +416,195 @@ def test_known_limit_cond_with_state_in_a_scan_under_grad():
 
         return lax.scan(body, 0.0, None, length=2)[0]
 
-    assert jax.grad(loss)(1.0) == 4.0
+    if transform == "grad":
+        assert jax.grad(loss)(1.0) == 4.0
+    else:
+        assert jax.linearize(loss, 1.0)[1](1.0) == 4.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="JAX 0.10 limit, also for raw jax.Refs of either kind: `jax.linearize` of a "
+    "`while_loop` whose carry depends on the input runs the whole loop again, reads "
+    "and writes included, in every call of the linear function",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_linearize_of_a_while_loop_with_state(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(0.0), kind="no_grad_no_remat")
+        get = lambda: ref[...]
+
+        def put(x):
+            ref[...] = x
+
+        value = lambda: ref[...]
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(0.0))
+        get = lambda: jaxstate.get_state(index)
+        put = lambda x: jaxstate.set_state(index, x)
+        value = index.unsafe_get
+
+    def f(p):
+        def body(carry):
+            i, _ = carry
+            read = get()
+            put(read + 1.0)
+            return i + 1, read * p
+
+        return lax.while_loop(lambda c: c[0] < 2, body, (0, 0.0 * p))[1]
+
+    _, f_jvp = jax.linearize(f, 1.0)
+    assert value() == 2.0  # two writes
+    tangent = f_jvp(1.0)
+    assert value() == 2.0  # fails: 4.0, the loop ran again
+    assert tangent == 1.0  # the second iteration's read
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=jax.errors.UnexpectedTracerError,
+    reason="JAX 0.10 limit, also for raw jax.Refs: under grad of a checkpoint, a "
+    "custom_vjp function that writes state and closes over a tracer of the "
+    "checkpointed function leaks it (passing the value as an argument works)",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(0.0), kind="no_grad_no_remat")
+
+        def put(x):
+            ref[...] = lax.stop_gradient(x)
+
+        value = lambda: ref[...]
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(0.0))
+        put = lambda x: jaxstate.set_state(index, x)
+        value = index.unsafe_get
+
+    def checkpointed(p, x):
+        @jax.custom_vjp
+        def f(p):
+            put(2.0 * p)
+            return p * x  # `x` is a tracer of the checkpointed function
+
+        f.defvjp(lambda p: (f(p), None), lambda _, ct: (ct,))
+        return f(p)
+
+    loss = lambda p: jax.checkpoint(checkpointed)(p, jnp.float32(3.0))
+    assert jax.grad(loss)(jnp.float32(1.0)) == 1.0  # the declared derivative
+    assert value() == 2.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="JAX 0.10 bug, also for raw jax.Refs: a scan that reads state, in a "
+    "checkpoint, under grad (or jax.hessian, linearize), under vmap, fails to compile: "
+    "`_closed_call_discharge_rule() got an unexpected keyword argument 'name'`",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_loop_in_a_checkpoint_under_grad_under_vmap(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(2.0), kind="no_grad_no_remat")
+        get = lambda: lax.stop_gradient(ref[...])
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(2.0))
+        get = lambda: jaxstate.get_state(index)
+
+    def f(p):
+        return lax.scan(lambda c, _: (c, get() * p), 0, length=1)[1].sum() * p
+
+    grads = jax.jit(jax.vmap(jax.grad(jax.checkpoint(f))))(jnp.ones(2))
+    np.testing.assert_array_equal(grads, [4.0, 4.0])
+
+
+#
+# Known issues, reported: state first set under `vmap` keeps its batch axis for the
+# *outermost* vmap, and some JAX transforms run their body under a vmap of their
+# own. Outside the user's vmap, that vmap takes the state's axis: a clear error
+# when its size differs, wrong values when it happens to match. The random
+# programs use batched state only where the outermost vmap is the user's
+# (`_program_model.batched_ok`).
+#
+def _batched_index():
+    index = jaxstate.StateIndex()
+    jax.vmap(lambda i: jaxstate.set_state(index, i.astype(jnp.float32)))(jnp.arange(3))
+    return index
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="jaxstate issue: jax.hessian's jacfwd vmaps over the tangent basis (size 1 "
+    "here) outside the user's vmap, and that vmap is taken for the state's batch axis",
+)
+def test_known_issue_batched_state_in_a_vmap_under_hessian():
+    index = _batched_index()
+
+    def loss(p):
+        def member(_):
+            read = jaxstate.get_state(index)
+            jaxstate.set_state(index, read + 1.0)
+            return read * p * p
+
+        return jnp.sum(jax.vmap(member)(jnp.arange(3)))
+
+    assert jax.hessian(loss)(1.0) == 2.0 * (0.0 + 1.0 + 2.0)
+    np.testing.assert_array_equal(index.unsafe_get(), [1.0, 2.0, 3.0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="jaxstate issue: lax.map(batch_size=3) runs its body under a vmap of 3 "
+    "outside the user's vmap of 3, and that vmap is taken for the state's batch axis: "
+    "every member reads the slice of its map element instead of its own",
+)
+def test_known_issue_batched_state_in_a_vmap_under_batched_lax_map():
+    index = _batched_index()
+
+    def member(_):
+        return jaxstate.get_state(index)
+
+    out = lax.map(lambda _: jax.vmap(member)(jnp.arange(3)), jnp.zeros(3), batch_size=3)
+    np.testing.assert_array_equal(out, [[0.0, 1.0, 2.0]] * 3)  # [[0,0,0],[1,1,1],...]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="jaxstate issue: JAX traces a custom_vjp/custom_jvp function while binding "
+    "it, with the eager trace current, so inside a traced body (jit, checkpoint, scan, "
+    "cond) under vmap the trace of the function has no link to the vmap and "
+    "`get_state` of state with a batch axis counts 0 vmaps",
+)
+@pytest.mark.parametrize("custom", ["custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("body", ["jit", "checkpoint", "scan"])
+def test_known_issue_custom_derivative_with_batched_state_in_a_traced_body(
+    custom, body
+):
+    index = _batched_index()
+
+    if custom == "custom_vjp":
+
+        @jax.custom_vjp
+        def read(p):
+            return jaxstate.get_state(index) * p
+
+        read.defvjp(lambda p: (read(p), None), lambda _, ct: (ct,))
+    else:
+
+        @jax.custom_jvp
+        def read(p):
+            return jaxstate.get_state(index) * p
+
+        read.defjvp(lambda primals, tangents: (read(*primals), tangents[0]))
+
+    wrap = {
+        "jit": jax.jit,
+        "checkpoint": jax.checkpoint,
+        "scan": lambda f: lambda p: lax.scan(lambda c, _: (c, f(p)), 0, length=1)[1][0],
+    }[body]
+    out = jax.vmap(lambda _: wrap(read)(1.0))(jnp.arange(3))
+    np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
