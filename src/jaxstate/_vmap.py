@@ -36,10 +36,27 @@ def vmap_sizes() -> tuple[int, ...]:
     return tuple(reversed(sizes))
 
 
+# JAX traces the function of a `custom_vjp`/`custom_jvp` with the eager trace
+# current, so its trace does not link to the traces around it: there the enclosing
+# vmaps are not known while tracing (the batching rules still see them).
+_CUT = ("custom_vjp fun", "custom_jvp fun")
+
+
+def vmaps_known() -> bool:
+    """Whether `vmap_sizes()` sees every vmap around the current trace."""
+    outermost = None
+    for trace in _jax.enclosing_traces():
+        if not _jax.is_eval_trace(trace):
+            outermost = trace
+    return outermost is None or _jax.traced_for(outermost) not in _CUT
+
+
 def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
     """Checks the enclosing vmaps against a state's batch axes (which belong to the
     outermost vmaps), while tracing, for an early and clear error. The batching
     rules below check again, and decide."""
+    if batch_shape and not vmaps_known():
+        return
     sizes = vmap_sizes()
     k = len(batch_shape)
     if len(sizes) < k:
