@@ -22,7 +22,10 @@ def _measure(devices: int, steps: int) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from train_digits import adam_init, CNN, load_data, train_step
 
-    mesh = jax.make_mesh((devices,), ("data",))
+    # Auto axes, as in examples/train_digits_distributed.py (dropout under vmap).
+    mesh = jax.make_mesh(
+        (devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     x_train, _, y_train, _ = load_data()
     model = jaxstate.device_put(CNN(jax.random.key(0)), replicated)

@@ -83,7 +83,11 @@ def main(argv=None) -> dict:
 
     step = train_step if args.optimizer == "adam" else sgd_step
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    # Auto axes: `jax.random` under a per-example vmap (dropout) cannot unmap an
+    # explicitly sharded batch in JAX 0.10.
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     x_train, x_test, y_train, y_test = load_data()
     batch = 128
