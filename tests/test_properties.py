@@ -513,8 +513,9 @@ def _batched_index():
 @pytest.mark.xfail(
     strict=True,
     raises=RuntimeError,
-    reason="jaxstate issue: jax.hessian's jacfwd vmaps over the tangent basis (size 1 "
-    "here) outside the user's vmap, and that vmap is taken for the state's batch axis",
+    reason="as documented (docs/design.md, 'vmap'): jax.hessian's jacfwd vmaps over "
+    "the tangent basis (size 1 here) outside the user's vmap, and the outermost vmap "
+    "takes the state's batch axis, so the sizes do not match",
 )
 def test_known_issue_batched_state_in_a_vmap_under_hessian():
     index = _batched_index()
@@ -534,9 +535,9 @@ def test_known_issue_batched_state_in_a_vmap_under_hessian():
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="jaxstate issue: lax.map(batch_size=3) runs its body under a vmap of 3 "
-    "outside the user's vmap of 3, and that vmap is taken for the state's batch axis: "
-    "every member reads the slice of its map element instead of its own",
+    reason="as documented (docs/design.md, 'vmap'): lax.map(batch_size=3) runs its "
+    "body under a vmap of 3 outside the user's vmap of 3, and the outermost vmap "
+    "takes the state's batch axis: every member reads its map element's slice",
 )
 def test_known_issue_batched_state_in_a_vmap_under_batched_lax_map():
     index = _batched_index()
