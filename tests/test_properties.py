@@ -517,7 +517,7 @@ def _batched_index():
     "the tangent basis (size 1 here) outside the user's vmap, and the outermost vmap "
     "takes the state's batch axis, so the sizes do not match",
 )
-def test_known_issue_batched_state_in_a_vmap_under_hessian():
+def test_decided_batched_state_in_a_vmap_under_hessian():
     index = _batched_index()
 
     def loss(p):
@@ -539,7 +539,7 @@ def test_known_issue_batched_state_in_a_vmap_under_hessian():
     "body under a vmap of 3 outside the user's vmap of 3, and the outermost vmap "
     "takes the state's batch axis: every member reads its map element's slice",
 )
-def test_known_issue_batched_state_in_a_vmap_under_batched_lax_map():
+def test_decided_batched_state_in_a_vmap_under_batched_lax_map():
     index = _batched_index()
 
     def member(_):
