@@ -8,6 +8,7 @@ or half written. See docs/design.md, "Interrupts"."""
 
 import _thread
 import random
+import signal
 import threading
 
 import equinox as eqx
@@ -19,6 +20,17 @@ import jaxstate
 
 
 TRIALS = 120
+
+
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    # Python's own handler (raising `KeyboardInterrupt`), whatever the runner set:
+    # pytest-xdist's workers ignore SIGINT, and then no interrupt would land.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Model(eqx.Module):
