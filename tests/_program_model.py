@@ -520,7 +520,16 @@ def _wrap(w: W, pos: int, grid_name, inner):
             # `test_known_limit_custom_vjp_closing_over_a_tracer_under_remat`).
             @jax.custom_vjp
             def f(p, vals, uvals):
-                return inner(model, vals, {**uvals, "p": p})
+                out = inner(model, vals, {**uvals, "p": p})
+                # Every float output batched along every enclosing vmap: where some
+                # are and some are not, JAX hands each member's `bwd` the unbatched
+                # outputs' cotangents already summed over the members, which
+                # multiplies their derivative by the vmap's size (plain arrays do
+                # the same; not jaxstate's business here).
+                zero = 0 * jnp.sum(vals["dummy"])
+                return jtu.tree_map(
+                    lambda x: x + zero.astype(x.dtype) if _is_float(x) else x, out
+                )
 
             def fwd(p, vals, uvals):
                 out = f(p, vals, uvals)

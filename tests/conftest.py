@@ -1,6 +1,7 @@
 import contextlib
 import gc
 import os
+from pathlib import Path
 
 import jax
 import jaxtyping
@@ -10,6 +11,19 @@ import jaxstate
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Compiled programs are kept on disk, so that the typechecked pass (and the next run)
+# does not compile again what the first pass compiled: most of a test's time here is
+# XLA's. Tracing still happens every time, so everything jaxstate does is tested.
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get(
+        "JAXSTATE_TEST_COMPILATION_CACHE",
+        str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"),
+    ),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 @pytest.fixture
@@ -60,6 +74,25 @@ def typechecked(config: pytest.Config) -> bool:
         return False
     packages = [p.strip() for p in value.split(",")[:-1]]
     return any(p == "jaxstate" or p.startswith("jaxstate.") for p in packages)
+
+
+# Left out of the typechecked pass, which must fit in CI's time: they call the same
+# entry points as the rest of the suite over and over (whole training runs, threads
+# and interrupts in loops, the published library's program under every compiler).
+# The first pass runs them.
+NOT_TYPECHECKED = (
+    "test_published_pattern.py",
+    "test_nn_decode_example.py",
+    "test_threads.py",
+    "test_interrupts.py",
+    "test_demo.py",
+)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
+    if typechecked(config) and collection_path.name in NOT_TYPECHECKED:
+        return True
+    return None
 
 
 @pytest.fixture(name="typechecked")

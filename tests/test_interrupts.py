@@ -73,7 +73,10 @@ def _interrupted_loops(run, model, trials: int) -> int:
     landed = 0
     rng = random.Random(0)
     for _ in range(trials):
-        timer = threading.Timer(rng.uniform(0.0, 0.004), _thread.interrupt_main)
+        stop = threading.Event()
+        timer = threading.Thread(
+            target=_interrupter, args=(rng.uniform(0, 0.004), stop)
+        )
         try:
             timer.start()
             while True:
@@ -81,9 +84,30 @@ def _interrupted_loops(run, model, trials: int) -> int:
         except KeyboardInterrupt:
             landed += 1
         finally:
-            timer.join()
+            stop.set()
+            _join(timer)
         _consistent(model)
     return landed
+
+
+def _join(timer: threading.Thread) -> None:
+    # A repeated interrupt may still land while the interrupter stops.
+    while True:
+        try:
+            timer.join()
+            return
+        except KeyboardInterrupt:
+            pass
+
+
+def _interrupter(delay: float, stop: threading.Event) -> None:
+    # Again every 50 ms until the loop has stopped: Python drops an interrupt that
+    # lands in a finaliser (a garbage-collected object's `__del__` or weakref
+    # callback, "Exception ignored in ..."), and then the loop would run forever.
+    if not stop.wait(delay):
+        _thread.interrupt_main()
+        while not stop.wait(0.05):
+            _thread.interrupt_main()
 
 
 @pytest.mark.parametrize("donate", ["none", "all"])

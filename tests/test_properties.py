@@ -90,7 +90,7 @@ import jaxstate
 
 
 #
-# Hypothesis profiles. The default run (700 examples) takes about 40 s on two
+# Hypothesis profiles. The default run (400 examples) takes about 25 s on two
 # cores; `JAXSTATE_HYPOTHESIS_PROFILE=nightly` runs 10,000 (about 11 minutes),
 # `quick` 100.
 # No example database is written (the repository does not ignore `.hypothesis/`);
@@ -98,7 +98,7 @@ import jaxstate
 #
 settings.register_profile(
     "jaxstate-default",
-    max_examples=700,
+    max_examples=400,
     deadline=None,
     database=None,
     print_blob=True,

@@ -59,7 +59,7 @@ def test_ci_runs_the_readmes_test_command_and_the_docs_show_it():
     root = README.parent
     command = _test_command(README.read_text())
     # Both passes: the suite, and the suite with jaxstate's annotations checked.
-    assert "python -m pytest -q &&" in command
+    assert "python -m pytest -q -n 2 &&" in command
     assert "--jaxtyping-packages=jaxstate,beartype.beartype" in command
     ci = (root / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == command
