@@ -316,7 +316,12 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         return None
     out: dict = {"missed": missed, "cases": []}
     cases = [("S1", s1_dispatch)]
-    for key, module in (("S3", s3_many), ("S5", s5_loops), ("S6b", s6_cnn)):
+    for key, module in (
+        ("S3", s3_many),
+        ("S5", s5_loops),
+        ("S6a", s6_mlp),
+        ("S6b", s6_cnn),
+    ):
         if key in results and not results[key].met:
             cases.append((key, module))
     for key, module in cases:
@@ -325,6 +330,11 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
             hand = s1_dispatch._hand_variant()
             nxt = lambda out, a: (out[0], a[1])
             calls = cfg.profile_calls
+        elif key == "S6a":
+            fun, args = s6_mlp.profile_setup()
+            hand = s6_mlp._hand_variant()
+            nxt = lambda out, a: (out[0], out[1], *a[2:])
+            calls = max(70, cfg.profile_calls // 6)
         elif key == "S6b":
             fun, model, opt_state, metrics = s6_cnn.js_setup()
             x, y = s6_cnn.batches("NCHW")[0]

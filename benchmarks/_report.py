@@ -320,7 +320,7 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
     compiled = pieces.get("jitted", 0.0)
     total = sum(pieces.values())
     python = total - compiled
-    goal = {"S1": 1.15, "S3": 1.3, "S5": 1.2, "S6b": 1.05}.get(key)
+    goal = {"S1": 1.15, "S3": 1.3, "S5": 1.2, "S6a": 1.05, "S6b": 1.05}.get(key)
     res = results.get(key)
     # S5's tables are per scan iteration (`scale` per call); this compares calls.
     per_call = res.scale if res is not None else 1

@@ -180,3 +180,26 @@ def test_an_interrupt_in_another_thread_section_is_not_held_back():
     finally:
         leave.set()
         t.join()
+
+
+def test_an_interrupt_right_after_the_checkout_leaves_nothing_in_use(monkeypatch):
+    # The interrupt lands as the states are marked in use by the call (the moment
+    # a CI run once hit): it waits for the end of the call, and the marks are gone.
+    import jaxstate._jit as jit_module
+
+    checkout = jit_module.checkout
+
+    def checkout_then_interrupt(ids):
+        checkout(ids)
+        _thread.interrupt_main()
+
+    model = Model()
+    step = jaxstate.jit(_step)
+    step(model)
+    monkeypatch.setattr(jit_module, "checkout", checkout_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        step(model)
+    monkeypatch.undo()
+    assert _consistent(model) == 2  # the interrupted call completed
+    step(model)
+    assert _consistent(model) == 3

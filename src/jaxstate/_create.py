@@ -115,13 +115,13 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
             ):
                 # Keep the references that traced programs may have captured.
                 values = [new_ref(x) for x in stacked]
-                with exclusive([target]), critical():
+                with critical(), exclusive([target]):
                     for ref, value in zip(target.refs or (), values, strict=True):
                         _jax.buffer_holder(ref)._buf = _jax.buffer_holder(value)._buf
                     target.pending = None
                 return True
             refs = tuple(new_ref(x) for x in stacked)
-        with exclusive([target]):
+        with critical(), exclusive([target]):
             _install(target, refs, treedef, avals, batch_shape, None)
         return True
     if "shard_map" in traced_for():
@@ -156,7 +156,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
             )
             flag = new_ref(jnp.array(False))
     pending = Pending(flag, root_trace())
-    with exclusive([target]):
+    with critical(), exclusive([target]):
         _install(target, refs, treedef, avals, batch_shape, pending)
         target.traced = True
     if storage is not target:

@@ -299,9 +299,11 @@ class _JitWrapper:
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
         ids, impls, tracing = call.ids, call.impls, compiled._tracing
-        checkout(ids)
+        # The critical section around the checkout too: an interrupt between the
+        # checkout and its release would leave the states marked in use.
+        opened = enter_critical()
         try:
-            opened = enter_critical()
+            checkout(ids)
             try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 # What a trace, if JAX starts one, needs to know (see `_inner`).
@@ -321,9 +323,9 @@ class _JitWrapper:
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
             finally:
-                exit_critical(opened)
+                release(ids)
         finally:
-            release(ids)
+            exit_critical(opened)
         return self._rebuild_outputs(compiled, call, out_arrays, static)
 
     def _rebuild_outputs(self, compiled: _Compiled, call: Call, out_arrays, static):
@@ -407,18 +409,18 @@ class AotCompiled:
                 "which compiles for each structure, or lower it again for these."
             )
         ids, impls = call.ids, call.impls
-        checkout(ids)
+        opened = enter_critical()  # around the checkout too, as in `__call__`
         try:
-            opened = enter_critical()
+            checkout(ids)
             try:
                 inputs = (kept, donated, list(map(_get_buf, impls)), None)
                 out_arrays, static, new_bufs = self._executable(*inputs)
                 for impl, buf in zip(impls, new_bufs, strict=True):
                     impl._buf = buf
             finally:
-                exit_critical(opened)
+                release(ids)
         finally:
-            release(ids)
+            exit_critical(opened)
         return wrapper._rebuild_outputs(compiled, call, out_arrays, static)
 
     def __getattr__(self, name: str):

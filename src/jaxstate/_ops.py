@@ -327,7 +327,7 @@ def commit(items: list[tuple[Storage, list]]) -> None:
             holder = _jax.buffer_holder(ref)
             new.append((holder, _fresh(holder, leaf)))
     items = [(s, leaves) for s, leaves in items if s.real is None]
-    with exclusive([s for s, _ in items]), critical():
+    with critical(), exclusive([s for s, _ in items]):
         for holder, buf in new:
             holder._buf = buf
         for storage, _ in items:

@@ -140,7 +140,7 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
     placed too.
     """
     storages = list(_indices(tree).values())
-    with exclusive(storages), critical():
+    with critical(), exclusive(storages):
         for storage in storages:
             for ref in storage.refs or ():
                 # In place, so that every holder of this reference sees the move;
