@@ -364,8 +364,8 @@ def _capture(J, compiled, go: Callable[[], Any]) -> tuple[Any, Any]:
     box: dict[str, Any] = {}
     make, jitted = J.Call, compiled.jitted
 
-    def call(parts):
-        box["call"] = made = make(parts)
+    def call(*args):
+        box["call"] = made = make(*args)
         return made
 
     def run(*args):

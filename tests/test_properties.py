@@ -231,6 +231,12 @@ def _valid_stack(stack) -> bool:
                 return False
             if above.count("grad") > 1:
                 return False
+            # JAX bug, also for raw refs: a `custom_vjp` function that writes state
+            # inside a loop under grad writes once, not once per iteration
+            # (`test_known_limit_custom_vjp_writing_in_a_loop_under_grad`).
+            grads = [j for j, a in enumerate(above) if a == "grad"]
+            if grads and any(a in LOOP_KINDS for a in above[grads[0] :]):
+                return False
     return True
 
 
@@ -471,6 +477,38 @@ def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
     loss = lambda p: jax.checkpoint(checkpointed)(p, jnp.float32(3.0))
     assert jax.grad(loss)(jnp.float32(1.0)) == 1.0  # the declared derivative
     assert value() == 2.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="JAX 0.10 bug, also for raw jax.Refs: a custom_vjp function that writes "
+    "state, called in a scan under grad, writes once instead of once per iteration",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+def test_known_limit_custom_vjp_writing_in_a_loop_under_grad(raw):
+    if raw:
+        ref = jax.new_ref(jnp.float32(0.0))
+
+        def add_one():
+            ref[...] = ref[...] + 1.0
+
+        value = lambda: ref[...]
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(0.0))
+        add_one = lambda: jaxstate.set_state(index, jaxstate.get_state(index) + 1.0)
+        value = index.unsafe_get
+
+    @jax.custom_vjp
+    def f(p):
+        add_one()
+        return 2.0 * p
+
+    f.defvjp(lambda p: (f(p), None), lambda _, ct: (2.0 * ct,))
+    loss = lambda p: lax.scan(lambda c, _: (c, f(p)), 0, length=3)[1].sum()
+    assert loss(jnp.float32(1.0)) == 6.0 and value() == 3.0  # without grad: right
+    assert jax.grad(loss)(jnp.float32(1.0)) == 6.0
+    assert value() == 6.0  # three more writes; JAX makes one
 
 
 @pytest.mark.xfail(
