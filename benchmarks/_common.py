@@ -1,10 +1,25 @@
 """Pieces shared by the scenarios: a hand-written BatchNorm whose running statistics
 are threaded functionally, and small helpers."""
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+
+
+def cycler(batches: Sequence[Any], call: Callable[..., Any]) -> Callable[[], Any]:
+    """`step()` runs `call(*batch)` on the next of `batches`, in turn."""
+    it = {"i": 0}
+
+    def step():
+        i = it["i"]
+        it["i"] = (i + 1) % len(batches)
+        return call(*batches[i])
+
+    return step
 
 
 def on_device(tree):

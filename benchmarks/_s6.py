@@ -9,7 +9,8 @@ import jax
 
 import jaxstate
 
-from ._harness import Variant
+from ._common import cycler
+from ._harness import guarded, Variant
 
 
 BASELINE = "hand-threaded jax.jit (donated)"
@@ -26,16 +27,19 @@ WRAPS: dict[str, Callable[[Callable], Callable]] = {
 GOAL = 1.05
 
 
-def cycler(batches: Sequence[Any], call: Callable[..., Any]) -> Callable[[], Any]:
-    """`step()` runs `call(*batch)` on the next of `batches`, in turn."""
-    it = {"i": 0}
-
-    def step():
-        i = it["i"]
-        it["i"] = (i + 1) % len(batches)
-        return call(*batches[i])
-
-    return step
+def assemble(
+    rows: list[str],
+    hand: Callable[[], Variant],
+    js: Callable[[str], Variant],
+    peers: dict[str, Callable[[], Variant]],
+) -> list[Variant]:
+    """A program's variants in its table's order: the hand-threaded baseline, jaxstate
+    under each compiler, then each peer (reported unavailable if it fails to set
+    up)."""
+    out = [hand(), *(js(name) for name in JAXSTATE_ROWS)]
+    out += [guarded(name, "peer", make, twin=BASELINE) for name, make in peers.items()]
+    assert [v.name for v in out] == rows
+    return out
 
 
 def boxed(

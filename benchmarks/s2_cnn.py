@@ -21,7 +21,7 @@ import numpy as np
 
 import jaxstate
 
-from ._common import bn_init_stats, hand_bn, on_device
+from ._common import bn_init_stats, cycler, hand_bn, on_device
 from ._harness import Config, guarded, Variant
 
 
@@ -60,18 +60,6 @@ def _batches(ex):
         idx = order[i * BATCH : (i + 1) * BATCH]
         out.append(on_device((jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx]))))
     return out
-
-
-def _cycler(batches, call):
-    """`step()` runs `call(x, y)` on the next batch."""
-    it = {"i": 0}
-
-    def step():
-        i = it["i"]
-        it["i"] = (i + 1) % len(batches)
-        return call(*batches[i])
-
-    return step
 
 
 def dropout_key(rng, axis_name="batch"):
@@ -179,7 +167,7 @@ def _js_variant(ex, batches, name, wrap):
         out["dropout_counter"] = m.dropout.rng.count
         return out
 
-    return Variant(name, "jaxstate", _cycler(batches, call), result, twin=BASELINE)
+    return Variant(name, "jaxstate", cycler(batches, call), result, twin=BASELINE)
 
 
 def _hand_variant(ex, batches):
@@ -222,7 +210,7 @@ def _hand_variant(ex, batches):
         out["dropout_counter"] = box[2][1]
         return out
 
-    return Variant(BASELINE, "baseline", _cycler(batches, call), result)
+    return Variant(BASELINE, "baseline", cycler(batches, call), result)
 
 
 def _eqx_variant(ex, batches):
@@ -262,7 +250,7 @@ def _eqx_variant(ex, batches):
     return Variant(
         ROWS[3],
         "peer",
-        _cycler(batches, call),
+        cycler(batches, call),
         result,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",

@@ -26,8 +26,8 @@ import numpy as np
 import jaxstate
 
 from ._common import bn_init_stats, hand_bn, on_device
-from ._harness import Config, guarded, unavailable, Variant
-from ._s6 import BASELINE, boxed, JAXSTATE_ROWS, WRAPS
+from ._harness import Config, unavailable, Variant
+from ._s6 import assemble, BASELINE, boxed, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6b"
@@ -461,9 +461,5 @@ def _hijax_variant() -> Variant:
 
 def variants(cfg: Config) -> list[Variant]:
     del cfg
-    out = [_hand_variant()]
-    out += [_js_variant(name) for name in JAXSTATE_ROWS]
-    out.append(guarded(NNX, "peer", _nnx_variant, twin=BASELINE))
-    out.append(guarded(HIJAX, "peer", _hijax_variant, twin=BASELINE))
-    assert [v.name for v in out] == ROWS
-    return out
+    peers = {NNX: _nnx_variant, HIJAX: _hijax_variant}
+    return assemble(ROWS, _hand_variant, _js_variant, peers)

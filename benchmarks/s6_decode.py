@@ -27,8 +27,8 @@ import numpy as np
 import jaxstate
 
 from ._common import on_device
-from ._harness import Config, guarded, Variant
-from ._s6 import BASELINE, JAX_JIT, JAXSTATE_ROWS, WRAPS
+from ._harness import Config, Variant
+from ._s6 import assemble, BASELINE, JAX_JIT, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6c"
@@ -461,9 +461,5 @@ def _eqx_variant() -> Variant:
 
 def variants(cfg: Config) -> list[Variant]:
     del cfg
-    out = [_hand_variant()]
-    out += [_js_variant(name) for name in JAXSTATE_ROWS]
-    out.append(guarded(NNX, "peer", _nnx_variant, twin=BASELINE))
-    out.append(guarded(EQX, "peer", _eqx_variant, twin=BASELINE))
-    assert [v.name for v in out] == ROWS
-    return out
+    peers = {NNX: _nnx_variant, EQX: _eqx_variant}
+    return assemble(ROWS, _hand_variant, _js_variant, peers)

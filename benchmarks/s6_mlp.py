@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import jaxstate
 
 from ._common import bn_init_stats, hand_bn, on_device
-from ._harness import Config, guarded, Variant
-from ._s6 import BASELINE, boxed, JAXSTATE_ROWS, WRAPS
+from ._harness import Config, Variant
+from ._s6 import assemble, BASELINE, boxed, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6a"
@@ -252,11 +252,7 @@ def _eqx_variant() -> Variant:
 
 def variants(cfg: Config) -> list[Variant]:
     del cfg
-    out = [_hand_variant()]
-    out += [_js_variant(name) for name in JAXSTATE_ROWS]
-    out.append(guarded(EQX, "peer", _eqx_variant, twin=BASELINE))
-    assert [v.name for v in out] == ROWS
-    return out
+    return assemble(ROWS, _hand_variant, _js_variant, {EQX: _eqx_variant})
 
 
 def profile_setup():
