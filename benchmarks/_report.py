@@ -151,20 +151,12 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         + "; ".join(f"`{m}`" for m in profile["missed"])
         + ".",
         "",
-        "Host time per call: the caller's thread, from the call until it returns, "
-        "blocking after each call but not counting the wait. Clocks are wrapped "
-        "around what `_JitWrapper.__call__` calls (src/jaxstate/_jit.py and "
-        "_jit_args.py as they were at this run): `_prepare` and, inside it, "
-        "`memo.part` per argument and `Call(parts)`; the compiled `jax.jit` "
-        "function; the output's leaves, `OutPart.part`, `memo.remember` and "
-        "`memo.next_call`. Each piece is a clock's own time, less the clocks "
-        "inside it, so the pieces add up to the call; code inline in `__call__` "
-        "(the lock, reading and writing back the state buffers, the output "
-        "`tree_unflatten`, releasing the replaced buffers) is its rest, timed "
-        "alone below, and most of the clocks' own overhead is counted there (the "
-        "rest in `_prepare`). 7 rounds interleaved with the unmodified "
-        "wrapper and the hand-threaded step, medians. Host times of blocked calls "
-        "differ from the tables' pipelined figures; the split is what matters.",
+        "The fast path of `_JitWrapper.__call__` (src/jaxstate/_jit.py) is run "
+        "through a copy that calls the same helpers in the same order and reads "
+        "the clock between them; the copy, the real call and the hand-threaded "
+        "step are timed in the same interleaved rounds (host µs per call: many "
+        "calls, then one wait; medians of 9 rounds). See "
+        "`benchmarks/profile_jit.py`.",
         "",
     ]
     for key, title, b, top in profile["cases"]:
@@ -172,55 +164,15 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         if b.error:
             out += [f"Breakdown unavailable: {b.error}", ""]
             continue
-        facts = "; ".join(
-            f"{k}: {('yes' if v else 'no') if isinstance(v, bool) else v}"
-            for k, v in b.facts.items()
-        )
         out.append(
-            "Per call: "
-            + ", ".join(f"{v} {k}" for k, v in b.counts.items())
-            + (f" ({facts})" if facts else "")
-            + f". Host time per call: unmodified jaxstate.jit **{b.plain_us:.1f} µs**"
-            f" (instrumented {b.instrumented_us:.1f} µs); the hand-threaded step "
-            f"**{b.hand_us:.1f} µs**."
+            "Per call: " + ", ".join(f"{v} {k}" for k, v in b.counts.items()) + "."
         )
         out.append("")
-        if b.missing:
-            out += [
-                "Not clocked (this src/ has no such helper): "
-                + ", ".join(f"`{m}`" for m in b.missing)
-                + ".",
-                "",
-            ]
-        total = sum(b.pieces.values())
-        rows = [
-            [P.LABELS[k], f"{v:.1f}", f"{100 * v / total:.0f}%"]
-            for k, v in b.pieces.items()
-        ]
-        rows.append(["sum: `__call__`", f"{total:.1f}", "100%"])
-        out += [
-            md_table(Table("", ["piece of `__call__`", "µs/call", "share"], rows)),
-            "",
-            f"The instrumented host time ({b.instrumented_us:.1f} µs) is "
-            f"{b.instrumented_us - total:+.1f} µs off this sum: it also counts the "
-            "benchmark loop around the call (the next arguments, releasing the "
-            "previous ones), and the sum is of per-piece medians.",
-            "",
-        ]
-        out += [
-            "Related operations timed alone (µs per call):",
-            "",
-            md_table(
-                Table(
-                    "",
-                    ["operation", "µs"],
-                    [[k, f"{v:.2f}"] for k, v in b.reference.items()]
-                    + [[k, f"not measured: {why}"] for k, why in b.skipped.items()],
-                )
-            ),
-            "",
-        ]
-        out += ["What would close the gap:", ""]
+        rows = [[k, f"{b.pieces[k]:.1f}"] for k in (*P.STAGES, P.COPY)]
+        rows += [[f"**{k}**", f"**{b.pieces[k]:.1f}**"] for k in (P.FULL, P.HAND)]
+        rows.append([P.UNFLATTEN, f"{b.pieces[P.UNFLATTEN]:.1f}"])
+        out += [md_table(Table("", ["stage", "µs/call"], rows)), ""]
+        out += ["What this says:", ""]
         out += [f"- {line}" for line in _advice(key, b, results)]
         out += [
             "",
@@ -303,168 +255,51 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
-def _short(piece: str) -> str:
-    return {
-        "total": "rest of `__call__`",
-        "_prepare": "rest of `_prepare`",
-        "Call": "`Call(parts)`",
-        "jitted": "compiled call",
-    }.get(piece, f"`{piece}`")
-
-
 def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
     from . import profile_jit as P
 
-    lines = []
-    pieces, ref, counts = b.pieces, b.reference, b.counts
-    compiled = pieces.get("jitted", 0.0)
-    total = sum(pieces.values())
-    python = total - compiled
-    goal = {"S1": 1.15, "S3": 1.3, "S5": 1.2, "S6a": 1.05, "S6b": 1.05}.get(key)
-    res = results.get(key)
-    # S5's tables are per scan iteration (`scale` per call); this compares calls.
-    per_call = res.scale if res is not None else 1
-    name = next((n for n in (res.timings if res else ()) if "jaxstate.jit" in n), None)
-    if res is not None and goal is not None and name is not None:
-        for mode in ("pipelined", "blocked"):
-            h = res.us(res.baseline, mode) * per_call
-            j = res.us(name, mode) * per_call
-            need = j - goal * h
-            lines.append(
-                f"{mode}: jaxstate.jit {j:.1f} µs vs hand-threaded {h:.1f} µs per "
-                f"step; {goal}× needs ≤ {goal * h:.1f} µs, "
-                + (f"i.e. {need:.1f} µs less per call." if need > 0 else "already met.")
-            )
-    clock = ref.get(P.CLOCK, 0.0) * counts.get(P.N_CLOCKED, 0)
-    if compiled:
-        lines.append(
-            f"Python around the compiled call: {python:.1f} µs of {total:.1f} µs "
-            f"({100 * python / max(1e-9, total):.0f}%), of which about {clock:.1f} µs "
-            f"is the clocks' own overhead ({counts.get(P.N_CLOCKED, 0)} clocked "
-            f"calls at {ref.get(P.CLOCK, 0.0):.2f} µs). The compiled call itself: "
-            f"{compiled:.1f} µs; the hand-threaded step's whole call: "
-            f"{b.hand_us:.1f} µs (its argument flattening and output unflattening "
-            "included, done by jax.jit in C++, with Python callbacks for any "
-            "Equinox modules)."
+    p = b.pieces
+    full, hand, program = p[P.FULL], p[P.HAND], p[P.PROGRAM]
+    python = p[P.COPY] - program
+    goal = {"S1": 1.15, "S3": 1.3, "S5": 1.2, "S6a": 1.05, "S6b": 1.05}.get(key, 1.0)
+    lines = [
+        f"The whole call: {full:.1f} µs against the hand-threaded step's "
+        f"{hand:.1f} µs ({full / hand:.2f}×; {goal}× would be "
+        f"{goal * hand:.1f} µs). The copy of the fast path: {p[P.COPY]:.1f} µs.",
+        f"The compiled call itself: {program:.1f} µs, "
+        f"{program / hand:.2f}× the hand-threaded step's whole call (which "
+        "includes its own pytree flattening and unflattening, done by jax.jit's "
+        "C++ path with a Python callback per Equinox module).",
+        f"jaxstate's Python around it: {python:.1f} µs per call. The largest: "
+        + ", ".join(
+            f"{k.split(' (')[0]} {p[k]:.1f} µs"
+            for k in sorted(
+                (k for k in P.STAGES if k != P.PROGRAM), key=lambda k: -p[k]
+            )[:3]
         )
-    else:
+        + ".",
+    ]
+    modules = b.counts.get(P.N_OUT_MODULES, 0)
+    if modules:
         lines.append(
-            "The compiled call was not clocked: how the time splits between Python "
-            "and the compiled call is not known from this run."
+            f"The output holds {modules} Equinox modules. Unflattening them is "
+            f"Equinox's own code, one Python call per module ({p[P.UNFLATTEN]:.1f} "
+            "µs timed alone); a hand-threaded step that returns its model pays "
+            "that too, inside its compiled call, for the modules its model has."
         )
-    biggest = sorted(
-        ((v, k) for k, v in pieces.items() if k != "jitted"), reverse=True
-    )[:3]
-    if biggest:
+    if goal * hand < full:
+        need = full - goal * hand
         lines.append(
-            "Largest Python pieces: "
-            + "; ".join(f"{_short(k)} {v:.1f} µs" for v, k in biggest)
-            + "."
-        )
-    objs = b.facts.get(P.MEMO_HITS)
-    if "memo.part" in pieces and objs is not None:
-        hit, _, n = objs.partition(" of ")
-        analyse = ref.get(P.ANALYSE, 0.0)
-        if hit == n:
-            lines.append(
-                f"`memo.part`: {pieces['memo.part']:.1f} µs; every non-array "
-                f"argument ({n}) was found in the memo, so none was flattened "
-                f"(analysing them would cost {analyse:.1f} µs)."
-            )
-        else:
-            lines.append(
-                f"`memo.part`: {pieces['memo.part']:.1f} µs; {hit} of {n} "
-                f"non-array arguments were found in the memo, the others were "
-                f"analysed (flattened, every leaf looked at: {analyse:.1f} µs for "
-                "all of them alone). Only Equinox modules are remembered, by "
-                "identity, and only those passed in or returned by the previous "
-                "call: a tuple or dict of modules, or a new module each call, is "
-                "analysed every time."
-            )
-    if "_prepare" in pieces:
-        identical = b.facts.get(P.IDENTITY_HIT)
-        get_key = ref.get(P.GET_KEY)
-        how = (
-            f"the key was identical to the last call's, element by element "
-            f"({ref.get(P.KEY_IS, 0.0):.2f} µs alone)"
-            if identical
-            else "the key was not identical to the last call's, so the cache "
-            "was looked up by hash and `==`"
-        )
-        lines.append(
-            f"Rest of `_prepare`: {pieces['_prepare']:.1f} µs, the overhead of the "
-            f"clocks inside it included; {how}"
+            f"To meet {goal}×, the call must lose {need:.1f} µs, "
+            f"{100 * need / max(python, 1e-9):.0f}% of jaxstate's Python. "
             + (
-                f"; a lookup with an equal, new key costs {get_key:.2f} µs alone."
-                if get_key is not None
-                else "."
+                "That is more than all of it: the compiled call alone is already "
+                "over the target."
+                if need > python
+                else "What remains is a few µs or less per stage, each already a "
+                "handful of dict and attribute operations; removing it needs fewer "
+                "Python steps per call, in the end the per-call path in C++ beside "
+                "JAX's own dispatch."
             )
-        )
-    rest = pieces.get("total")
-    if rest is not None:
-        inline = [
-            (P.LOCK, "holding the states (checkout, critical section, release)"),
-            (P.READ_BUFS, f"reading the {counts.get(P.N_BUFS, 0)} state buffers"),
-            (P.WRITE_BACK, "the write-back loop"),
-            (P.UNFLATTEN, "the output `tree_unflatten`"),
-            (P.FREE_DONATED, "releasing the replaced buffers"),
-        ]
-        known = [(what, ref[k]) for k, what in inline if k in ref]
-        alone = sum(v for _, v in known)
-        lines.append(
-            f"Rest of `__call__`: {rest:.1f} µs. Timed alone: "
-            + ", ".join(f"{what} {v:.2f} µs" for what, v in known)
-            + f"; {alone:.1f} µs together. The other {max(0.0, rest - alone):.1f} "
-            "µs are most of the clocks' overhead and the wrapper's own Python "
-            "between these: the eager and debug-NaN checks, the compiled call's "
-            "argument tuple, the loop over the output's parts, the result tuple."
-        )
-    unflatten = ref.get(P.UNFLATTEN, 0.0)
-    modules = counts.get(P.N_OUT_MODULES, 0)
-    if unflatten and modules:
-        lines.append(
-            f"The output `tree_unflatten` ({unflatten:.1f} µs) rebuilds {modules} "
-            "Equinox modules, each by a Python callback from C++ (Equinox's "
-            "unflatten makes the module with `object.__new__` and sets every "
-            "field); a hand-threaded step that returns the model pays the same, "
-            "inside its compiled call. Only a rebuild that calls no Python "
-            "per module (a C++ unflatten, or one keyed by the output part's "
-            "identity) would shrink it."
-        )
-    if compiled > b.hand_us > 0:
-        node = b.facts.get(P.STATIC_NODE)
-        lines.append(
-            f"The compiled call alone costs {compiled - b.hand_us:.1f} µs more than "
-            f"the hand-threaded step's entire call; its boundary carries "
-            f"{counts.get(P.N_ARRAYS, 0)} argument arrays and "
-            f"{counts.get(P.N_BUFS, 0)} donated state buffers in, "
-            f"{counts.get(P.N_OUT_ARRAYS, 0)} arrays and the state buffers out, "
-            "as flat lists"
-            + (
-                f", plus the static output node {node}, which its dispatch "
-                "unflattens through a Python callback."
-                if node
-                else "."
-            )
-        )
-    if compiled and python > 0:
-        floor = max(0.0, python - clock)
-        objs = b.facts.get(P.MEMO_HITS, "")
-        hit, _, n = objs.partition(" of ")
-        lines.append(
-            f"What is left to close: about {floor:.1f} µs of Python per call "
-            "without the clocks. "
-            + (
-                "It includes no argument flattening (every argument was found in "
-                "the memo) and no `jax.Ref` operation (the buffers are read and "
-                "replaced directly); "
-                if objs and hit == n
-                else "Apart from analysing the arguments not found in the memo, "
-            )
-            + "it is the wrapper's floor (the lock, the memo lookups, `Call`, the "
-            "key check, the buffer read and write-back, the output rebuild), a "
-            "few µs or less each. Removing it needs fewer Python steps per call "
-            "rather than faster ones: e.g. the whole per-call path in C++, next "
-            "to jax.jit's own dispatch."
         )
     return lines

@@ -1,32 +1,33 @@
 """Where the time of one `jaxstate.jit` call goes.
 
-`breakdown` times the real `_JitWrapper.__call__` (src/jaxstate/_jit.py) with clocks
-wrapped around what it calls: `_prepare` (the call's key, arrays and states), and
-inside it the wrapper's `memo.part` (once per argument: a memo hit, or `analyse`,
-which flattens the argument and looks at every leaf) and `Call(parts)` (putting the
-parts together); the compiled `jax.jit` function (`compiled.jitted`); after it, the
-output's leaves (`OutPart.leaves`, or `_rebuild` where src/ still uses it),
-`OutPart.part` and `memo.remember` (the parts of the returned modules, for the next
-call) and `memo.next_call`. Each clock counts its own time less that of the clocks
-running inside it, so the pieces add up to the whole of `__call__`. Inline code that
-no clock can reach (the state lock, reading the state buffers, writing the new ones
-back, the output `tree_unflatten`, releasing the replaced buffers) is the rest of
-`__call__`, which also holds most of the clocks' own overhead. The instrumented and
-the plain per-call times (both with the benchmark loop's own work around the call)
-are reported too. Helpers that the current src/ does not have are skipped (and
-listed in `Breakdown.missing`), so the breakdown follows src/ as it changes.
+`breakdown` runs a step that takes `jaxstate.jit`'s fast path (the arguments match
+the last call's plan: src/jaxstate/_jit_args.py, `Plan`) through a copy of that
+path, `_timed_call`, which calls the same helpers in the same order as
+`_JitWrapper.__call__` (src/jaxstate/_jit.py) and reads the clock between them:
 
-`micro` times related operations on their own: the inline pieces of the rest of
-`__call__`, what a memo miss would cost (`analyse` of the arguments), and the cache
-key compared by identity or looked up by hash. `cprofile` gives cProfile's view of
-real wrapper calls (inflated by cProfile's own overhead, but it names the
-functions).
+- matching the arguments against the last call (`Plan.match`, the donation split);
+- checking the states out, with Ctrl-C deferred (`_lock.take`), and back in
+  (`_lock.give`);
+- reading the state buffers, and writing the new ones back;
+- the compiled call itself (JAX's C++ dispatch of flat lists of arrays, and the
+  static output node's Python callback);
+- rebuilding the outputs (`_rebuild_outputs`: the returned modules unflattened
+  around the output arrays and remembered for the next call).
+
+The copy's total, the real `jaxstate.jit` call and the hand-threaded step are timed
+in the same interleaved rounds (host µs per call: many calls, then one wait), so a
+copy that drifted from `__call__` would show as a gap between the first two. The
+output `tree_unflatten` is also timed alone, as the part of the rebuild that is
+Equinox's and JAX's own code.
+
+`cprofile` gives cProfile's view of real wrapper calls (inflated by cProfile's own
+overhead, but it names the functions). `first_call_phases` times the phases of a
+fresh function's first call.
 """
 
 import cProfile
 import dataclasses
 import gc
-import operator
 import pstats
 import statistics
 import time
@@ -35,86 +36,181 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.tree_util as jtu
-import numpy as np
 
 import jaxstate
 
 
-# Keys of `Breakdown.reference`.
-ANALYSE = "analyse() of every non-array argument: what a memo miss costs"
-TF_IS_LEAF = "jtu.tree_flatten(arguments, is_leaf=is_leaf): the flatten inside that"
-KEY_IS = "key compared by identity with the last call's key"
-GET_KEY = "cache.get(key) with an equal, new key (hash + ==): an identity miss"
-CALL = "Call(parts) with the call's parts"
-LOCK = "the call's state checkout and release, and critical() (enter and leave)"
-READ_BUFS = "list(map(_get_buf, call.impls)): read the state buffers"
-WRITE_BACK = "write-back loop: impl._buf = buf for each of call.impls"
-UNFLATTEN = "output tree_unflatten: op.treedef.unflatten for each output part"
-FREE_DONATED = "freeing the replaced state buffers (donated, so already deleted)"
-CLOCK = "one clock's own overhead (a clocked call less the bare call)"
+# The stages of `_timed_call`, in order (keys of `Breakdown.pieces`).
+MATCH = "match the arguments with the last call's (`Plan.match`), donation split"
+TAKE = "check the states out, Ctrl-C deferred (`_lock.take`)"
+READ = "read the state buffers"
+PROGRAM = "the compiled call (JAX's C++ dispatch; flat lists in and out)"
+WRITE = "write the new state buffers back"
+GIVE = "check the states back in (`_lock.give`)"
+REBUILD = "rebuild the outputs (`_rebuild_outputs`)"
+STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD)
+# Other keys of `Breakdown.pieces`.
+UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
+COPY = "sum: the copy of the fast path"
+FULL = "jaxstate.jit, the whole call"
+HAND = "hand-threaded step, the whole call"
 # Keys of `Breakdown.counts`.
-N_LEAVES = "argument leaves (handles and flags as leaves)"
-N_ARRAYS = "arrays into the compiled call"
-N_STATES = "states"
+N_ARRAYS = "argument arrays"
 N_BUFS = "state buffers"
-N_OUT_ARRAYS = "arrays out of the compiled call"
+N_OUT_ARRAYS = "output arrays"
 N_OUT_MODULES = "Equinox modules in the output"
-N_CLOCKED = "clocked helper calls"
-# Keys of `Breakdown.facts`.
-MEMO_HITS = "arguments found in the memo"
-IDENTITY_HIT = "key identical to the last call's"
-STATIC_NODE = "static output node"
 
 
 @dataclasses.dataclass
 class Breakdown:
-    pieces: dict[str, float]  # exclusive µs per call, by clock name (see LABELS)
-    instrumented_us: float  # host µs per call, with the clocks in place
-    plain_us: float  # host µs per call, the unmodified jaxstate.jit
-    hand_us: float  # host µs per call, the hand-threaded step, same rounds
-    reference: dict[str, float]  # µs per call of related operations
+    pieces: dict[str, float]  # µs per call, by the keys above
     counts: dict[str, int]
     error: str | None = None
-    # Clocks (see LABELS) that this src/ gave nothing to wrap.
-    missing: list[str] = dataclasses.field(default_factory=list)
-    # Reference operations not measured, and why.
-    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
-    # What the measured call did (see MEMO_HITS, IDENTITY_HIT).
-    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _median_us(fn: Callable[[], Any], n: int, rounds: int = 7) -> float:
-    out = []
-    for _ in range(rounds):
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            out.append((time.perf_counter() - t0) / n)
-        finally:
-            gc.enable()
-    return 1e6 * statistics.median(out)
-
-
-def _calls_us(fn: Callable[[], Any], n: int) -> float:
-    """Host time per call, blocking after each call but not counting the wait: what
-    the caller's thread spends dispatching one call."""
-    pc = time.perf_counter
-    spent = 0.0
+def _per_call_us(fn: Callable[[], Any], n: int) -> float:
+    """Host µs per call of `n` calls in a row, blocking once at the end."""
+    out = None
     gc.collect()
     gc.disable()
     try:
+        t0 = time.perf_counter()
         for _ in range(n):
-            t0 = pc()
             out = fn()
-            spent += pc() - t0
-            jax.block_until_ready(out)
+        elapsed = time.perf_counter() - t0
     finally:
         gc.enable()
-    return 1e6 * spent / n
+    jax.block_until_ready(out)
+    return 1e6 * elapsed / n
+
+
+def _n_modules(treedef) -> int:
+    data = treedef.node_data()
+    own = int(
+        data is not None
+        and isinstance(data[0], type)
+        and issubclass(data[0], eqx.Module)
+    )
+    return own + sum(_n_modules(c) for c in treedef.children())
+
+
+def _timed_call(wrapper, args: tuple, spent: list[float]) -> Any:
+    """`wrapper(*args)` on its fast path, as `_JitWrapper.__call__` runs it, adding
+    the time of each stage (see `STAGES`) to `spent`."""
+    from jaxstate import _jit as J, _lock as L
+
+    pc = time.perf_counter
+    t0 = pc()
+    memo = wrapper.memo
+    plan = memo.plan
+    matched = None if plan is None else plan.match(args, memo)
+    if matched is None:
+        raise RuntimeError("the step does not take jaxstate.jit's fast path")
+    arrays, call = matched
+    compiled = plan.compiled
+    kept, donated = wrapper._split(arrays, plan.n_first)
+    ids, impls = call.ids, call.impls
+    t1 = pc()
+    opened = L.take(ids)
+    try:
+        t2 = pc()
+        bufs = list(map(J._get_buf, impls))
+        t3 = pc()
+        out_arrays, static, new_bufs = compiled.jitted(kept, donated, bufs, None)
+        t4 = pc()
+        for impl, buf in zip(impls, new_bufs, strict=True):
+            impl._buf = buf
+        t5 = pc()
+    finally:
+        L.give(ids, opened)
+    t6 = pc()
+    out = wrapper._rebuild_outputs(compiled, call, out_arrays, static)
+    t7 = pc()
+    for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
+        spent[i] += dt
+    spent[6] += t7 - t6
+    return out
+
+
+def breakdown(
+    fun: Callable,
+    args: tuple,
+    next_args: Callable[[Any, tuple], tuple],
+    calls: int,
+    *,
+    baseline_call: Callable[[], Any],
+    rounds: int = 9,
+) -> Breakdown:
+    """`next_args(out, args)` gives the next call's arguments from a call's output
+    (e.g. the returned model in place of the old one)."""
+    try:
+        return _breakdown(fun, args, next_args, calls, baseline_call, rounds)
+    except Exception as e:  # noqa: BLE001 - src/ changed in a way not foreseen
+        return Breakdown({}, {}, error=f"{type(e).__name__}: {e}"[:200])
+
+
+def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
+    wrapper = jaxstate.jit(fun)
+    state = {"args": args}
+    spent = [0.0] * len(STAGES)
+
+    def real():
+        out = wrapper(*state["args"])
+        state["args"] = next_args(out, state["args"])
+        return out
+
+    def copy():
+        out = _timed_call(wrapper, state["args"], spent)
+        state["args"] = next_args(out, state["args"])
+        return out
+
+    for _ in range(20):
+        jax.block_until_ready(real())
+    jax.block_until_ready(copy())
+    # What one call sees: counts, and the output to time its unflatten alone.
+    memo = wrapper.memo
+    plan = memo.plan
+    arrays, call = plan.match(state["args"], memo)
+    counts = {N_ARRAYS: len(arrays), N_BUFS: len(call.impls)}
+    captured = {}
+    jitted = plan.compiled.jitted
+
+    def capture(*inputs):
+        captured["out"] = out = jitted(*inputs)
+        return out
+
+    plan.compiled.jitted = capture
+    try:
+        jax.block_until_ready(real())
+    finally:
+        plan.compiled.jitted = jitted
+    out_arrays, static, _ = captured["out"]
+    jobs, start = [], 0
+    for op in static.value[1]:
+        some = out_arrays[start : start + op.n]
+        start += op.n
+        if not op.is_leaf:
+            jobs.append((op.treedef, some if op.only_arrays else op.leaves(some, call)))
+    counts[N_OUT_ARRAYS] = len(out_arrays)
+    counts[N_OUT_MODULES] = sum(_n_modules(t) for t, _ in jobs)
+
+    def unflatten():
+        return [treedef.unflatten(leaves) for treedef, leaves in jobs]
+
+    samples: dict[str, list[float]] = {k: [] for k in (*STAGES, UNFLATTEN, COPY)}
+    samples[FULL], samples[HAND] = [], []
+    n = max(20, calls // rounds)
+    runs = {HAND: baseline_call, FULL: real, COPY: copy, UNFLATTEN: unflatten}
+    for r in range(rounds):
+        names = list(runs)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            spent[:] = [0.0] * len(STAGES)
+            samples[name].append(_per_call_us(runs[name], n))
+            if name == COPY:
+                for stage, total in zip(STAGES, spent, strict=True):
+                    samples[stage].append(1e6 * total / n)
+    pieces = {k: statistics.median(v) for k, v in samples.items()}
+    return Breakdown(pieces, counts)
 
 
 class _Clocks:
@@ -175,353 +271,6 @@ class _Clocks:
                 d[k] = 0.0
         for k in self.calls:
             self.calls[k] = 0
-
-
-# The clocks, in the order `__call__` reaches them, and what each one times on its
-# own (less the clocks inside it).
-LABELS = {
-    "_prepare": "rest of `_prepare`: the function's and keyword arguments' parts, "
-    "the key compared by identity with the last call's (else a cache lookup), "
-    "the donation split",
-    "memo.part": "`memo.part`, once per argument: an array stands for itself; "
-    "otherwise a memo lookup by `id`, or `analyse` (flatten + per-leaf loop) on a "
-    "miss",
-    "Call": "`Call(parts)`: the call's key tuple, arrays and states",
-    "jitted": "compiled call (`jax.jit` C++ dispatch, its argument and output "
-    "pytrees included)",
-    "_rebuild": "`_rebuild`: output leaves, the states' handles put back",
-    "OutPart.leaves": "`OutPart.leaves`: output leaves, the states' handles and "
-    "indices put back",
-    "OutPart.part": "`OutPart.part`: the part of each returned module, from the "
-    "compiled function's output spec",
-    "memo.remember": "`memo.remember`: remember each returned module (a weakref)",
-    "memo.next_call": "`memo.next_call`: keep only this call's memo entries",
-    "total": "rest of `__call__`: state lock, reading the state buffers, writing the "
-    "new ones back, output `tree_unflatten`, the output loop, releasing the replaced "
-    "buffers; clock overhead",
-}
-
-
-def _attach(J, clocks: _Clocks, wrapper, compiled) -> list[str]:
-    """Puts the clocks on what this src/ has; returns the names it lacks.
-    Module-level names are looked up by `__call__` at call time, so they are patched
-    in the module while the instrumented wrapper runs; methods are patched on the
-    instrumented wrapper's own objects (OutPart's on its class)."""
-    memo = getattr(wrapper, "memo", None)
-    out_part = vars(J).get("OutPart")
-    where: dict[str, tuple[Any, str]] = {
-        "_prepare": (wrapper, "_prepare"),
-        "memo.part": (memo, "part"),
-        "Call": (J, "Call"),
-        "jitted": (compiled, "jitted"),
-        "_rebuild": (J, "_rebuild"),
-        "OutPart.leaves": (out_part, "leaves"),
-        "OutPart.part": (out_part, "part"),
-        "memo.remember": (memo, "remember"),
-        "memo.next_call": (memo, "next_call"),
-    }
-    missing = []
-    for name, (owner, attr) in where.items():
-        if owner is not None and callable(getattr(owner, attr, None)):
-            clocks.add(owner, attr, name)
-        else:
-            missing.append(name)
-    return missing
-
-
-def breakdown(
-    fun: Callable,
-    args: tuple,
-    next_args: Callable[[Any, tuple], tuple],
-    calls: int,
-    *,
-    baseline_call: Callable[[], Any] | None = None,
-) -> Breakdown:
-    try:
-        from jaxstate import _jit as J
-
-        return _breakdown(J, fun, args, next_args, calls, baseline_call)
-    except Exception as e:  # noqa: BLE001 - src/ changed in a way not foreseen
-        return Breakdown({}, 0, 0, 0, {}, {}, error=f"{type(e).__name__}: {e}"[:200])
-
-
-def _compiled_of(wrapper) -> Any:
-    last = getattr(wrapper, "last", None)
-    if isinstance(last, tuple) and len(last) == 2:
-        return last[1]
-    cache = list(getattr(wrapper, "cache", {}).values())
-    return cache[0] if len(cache) == 1 else None
-
-
-def _breakdown(J, fun, args, next_args, calls, baseline_call) -> Breakdown:
-    plain = jaxstate.jit(fun)
-    timed = jaxstate.jit(fun)
-    state = {"plain": args, "timed": args}
-
-    def call_plain():
-        out = plain(*state["plain"])
-        state["plain"] = next_args(out, state["plain"])
-        return out
-
-    # The "total" clock times `__call__` alone: the benchmark loop's own work
-    # (the next arguments, freeing the previous ones) stays outside the pieces.
-    clocks = _Clocks()
-    total = clocks.wrap("total", timed)
-
-    def call_timed():
-        out = total(*state["timed"])
-        state["timed"] = next_args(out, state["timed"])
-        return out
-
-    for _ in range(20):
-        jax.block_until_ready(call_plain())
-        jax.block_until_ready(call_timed())
-    missing = _attach(J, clocks, timed, _compiled_of(timed))
-    rounds, per = 7, max(1, calls // 7)
-    plain_us, instr_us, hand_us, per_round = [], [], [], []
-    try:
-        clocks.apply()
-        for _ in range(10):
-            jax.block_until_ready(call_timed())
-        # Interleaved rounds: the hand-threaded step, the plain wrapper, then the
-        # instrumented one.
-        for _ in range(rounds):
-            clocks.restore()
-            if baseline_call is not None:
-                hand_us.append(_calls_us(baseline_call, per))
-            plain_us.append(_calls_us(call_plain, per))
-            clocks.apply()
-            clocks.reset()
-            instr_us.append(_calls_us(call_timed, per))
-            per_round.append(
-                {k: (1e6 * clocks.excl[k] / per, clocks.calls[k]) for k in clocks.excl}
-            )
-    finally:
-        clocks.restore()
-    # Clocks that exist but were not reached on this path are left out.
-    pieces = {
-        name: statistics.median(r[name][0] for r in per_round)
-        for name in LABELS
-        if name in per_round[0] and any(r[name][1] > 0 for r in per_round)
-    }
-    reference, skipped, counts, facts = _micro(
-        J, plain, timed, state, call_timed, calls
-    )
-    clocked = sum(n for k, (_, n) in per_round[-1].items() if k != "total") / per
-    counts[N_CLOCKED] = round(clocked)
-    reference[CLOCK] = _clock_overhead_us(calls)
-    return Breakdown(
-        pieces,
-        statistics.median(instr_us),
-        statistics.median(plain_us),
-        statistics.median(hand_us) if hand_us else 0.0,
-        reference,
-        counts,
-        missing=missing,
-        skipped=skipped,
-        facts=facts,
-    )
-
-
-def _clock_overhead_us(calls: int) -> float:
-    """What one clock adds to the call it wraps, nested in another clock."""
-    clocks = _Clocks()
-
-    def noop():
-        return None
-
-    timed = clocks.wrap("noop", noop)
-    clocks._inner.append(0.0)  # as if inside an outer clock
-    m = max(1000, calls)
-    return max(0.0, _median_us(timed, m) - _median_us(noop, m))
-
-
-def _free_donated_us(like: list, m: int) -> float:
-    """Releasing arrays like `like` (the state buffers), after donation."""
-    if not like:
-        return 0.0
-    copy = jax.jit(lambda xs: [x + 0 for x in xs], donate_argnums=0)
-    out = []
-    for _ in range(7):
-        batches = [[jax.numpy.array(x, copy=True) for x in like] for _ in range(m)]
-        done = [copy(b) for b in batches]  # deletes the arrays in `batches`
-        jax.block_until_ready(done)
-        del done
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            for i in range(m):
-                batches[i] = None
-            out.append((time.perf_counter() - t0) / m)
-        finally:
-            gc.enable()
-    return 1e6 * statistics.median(out)
-
-
-def _capture(J, compiled, go: Callable[[], Any]) -> tuple[Any, Any]:
-    """The `Call` and the compiled function's raw output of one real call."""
-    box: dict[str, Any] = {}
-    make, jitted = J.Call, compiled.jitted
-
-    def call(*args):
-        box["call"] = made = make(*args)
-        return made
-
-    def run(*args):
-        box["out"] = out = jitted(*args)
-        return out
-
-    J.Call, compiled.jitted = call, run
-    try:
-        jax.block_until_ready(go())
-    finally:
-        J.Call, compiled.jitted = make, jitted
-    return box["call"], box["out"]
-
-
-def _locker(ids: list[int]) -> Callable[[], Any]:
-    """What `__call__` does to hold the call's states: a checkout and release
-    around a `critical()` section (src/jaxstate/_lock.py), or, in older src/, the
-    one `state_lock`."""
-    try:
-        from jaxstate._lock import checkout, critical, release
-    except ImportError:
-        from jaxstate._storage import state_lock  # pyright: ignore
-
-        def locked():
-            with state_lock:
-                pass
-
-        return locked
-
-    def held():
-        checkout(ids)
-        try:
-            with critical():
-                pass
-        finally:
-            release(ids)
-
-    return held
-
-
-def _is_array(x) -> bool:
-    # What `jaxstate.jit` passes as an array argument of its own (no `Part`).
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _n_modules(treedef) -> int:
-    data = treedef.node_data()
-    own = int(
-        data is not None
-        and isinstance(data[0], type)
-        and issubclass(data[0], eqx.Module)
-    )
-    return own + sum(_n_modules(c) for c in treedef.children())
-
-
-def _micro(J, plain, timed, state, call_timed, calls):
-    """Related operations timed alone, and what one more real call of the
-    instrumented wrapper (clocks off) did: (reference, skipped, counts, facts).
-    Whatever this src/ has no counterpart for is skipped, with the reason."""
-    from jaxstate import _jit_args as A
-
-    m = max(200, calls // 5)
-    out: dict[str, float] = {}
-    skipped: dict[str, str] = {}
-    counts: dict[str, int] = {}
-    facts: dict[str, Any] = {}
-
-    def add(label: str, make: Callable[[], Callable[[], Any]]) -> None:
-        try:
-            out[label] = _median_us(make(), m)
-        except Exception as e:  # noqa: BLE001
-            skipped[label] = f"{type(e).__name__}: {e}"[:120]
-
-    fun, args = plain.fun, state["timed"]
-    objs = [a for a in args if not _is_array(a)]
-    tree = (fun, {}, args)
-    counts[N_LEAVES] = len(jtu.tree_leaves(tree, is_leaf=A.is_leaf))
-    # What a memo miss would do: analyse every argument that is not an array.
-    add(ANALYSE, lambda: lambda: [A.analyse(a) for a in objs])
-    add(TF_IS_LEAF, lambda: lambda: jtu.tree_flatten(tree, is_leaf=A.is_leaf))
-
-    try:
-        memo, last = timed.memo, timed.last
-        entries = [memo.entries.get(id(a)) for a in objs]
-        hits = sum(e is not None and e[0]() is a for e, a in zip(entries, objs))
-        call, (out_arrays, static, _) = _capture(J, _compiled_of(timed), call_timed)
-        _, out_parts = static.value
-    except Exception as e:  # noqa: BLE001
-        why = f"no call to watch: {type(e).__name__}: {e}"[:120]
-        for label in (KEY_IS, GET_KEY, CALL, READ_BUFS, WRITE_BACK, UNFLATTEN):
-            skipped[label] = why
-        return out, skipped, counts, facts
-    add(LOCK, lambda: _locker(list(getattr(call, "ids", []) or [])))
-    facts[MEMO_HITS] = f"{hits} of {len(objs)}"
-    last_key = last[0] if last is not None else ()
-    key = call.key
-    facts[IDENTITY_HIT] = len(key) == len(last_key) and all(
-        map(operator.is_, key, last_key)
-    )
-    if not isinstance(static, (jax.Array, list, tuple, dict, type(None))):
-        # A pytree node registered from Python: unflattened by a Python callback.
-        facts[STATIC_NODE] = f"`{type(static).__name__}`"
-    counts[N_ARRAYS] = len(call.arrays)
-    counts[N_STATES] = len(call.storages)
-    counts[N_BUFS] = len(call.impls)
-    counts[N_OUT_ARRAYS] = len(out_arrays)
-    counts[N_OUT_MODULES] = sum(_n_modules(op.treedef) for op in out_parts)
-    # The cache key: compared by identity with the last call's, or (when that
-    # fails) an equal key that is a new object, looked up by hash and `==`.
-    add(KEY_IS, lambda: lambda: all(map(operator.is_, key, last_key)))
-    parts = [A.analyse(fun), A.analyse({})]
-    parts += [a if _is_array(a) else A.analyse(a) for a in args]
-    new_key = J.Call(parts, memo).key
-    if timed.cache.get(new_key) is timed.last[1]:
-        add(GET_KEY, lambda: lambda: timed.cache.get(new_key))
-    else:
-        skipped[GET_KEY] = "an equal key built anew finds no cache entry"
-    add(CALL, lambda: lambda: J.Call(call.parts, memo))
-    # The inline pieces of `__call__`. The write-back writes the buffers the states
-    # hold now (those the watched call returned may have been donated since).
-    impls, get_buf = call.impls, J._get_buf
-    add(READ_BUFS, lambda: lambda: list(map(get_buf, impls)))
-    bufs = list(map(get_buf, impls))
-
-    def write_back():
-        for impl, buf in zip(impls, bufs, strict=True):
-            impl._buf = buf
-
-    add(WRITE_BACK, lambda: write_back)
-    # The old buffers `__call__` replaced are released when it returns.
-    try:
-        out[FREE_DONATED] = _free_donated_us(bufs, m)
-    except Exception as e:  # noqa: BLE001
-        skipped[FREE_DONATED] = f"{type(e).__name__}: {e}"[:120]
-    jobs, start = [], 0
-    for op in out_parts:
-        arrays = out_arrays[start : start + op.n]
-        start += op.n
-        if op.is_leaf:
-            continue
-        if op.only_arrays:
-            jobs.append((op.treedef, arrays))
-        elif callable(getattr(op, "leaves", None)):
-            jobs.append((op.treedef, op.leaves(arrays, call)))
-        else:
-            jobs.append((op.treedef, J._rebuild(op.spec, arrays, call.handles)))
-
-    def unflatten():
-        for treedef, leaves in jobs:
-            treedef.unflatten(leaves)
-
-    if jobs:
-        add(UNFLATTEN, lambda: unflatten)
-    else:
-        skipped[UNFLATTEN] = "the output is a single array: nothing to unflatten"
-    return out, skipped, counts, facts
 
 
 def cprofile(

@@ -187,16 +187,17 @@ def test_an_interrupt_right_after_the_checkout_leaves_nothing_in_use(monkeypatch
     # a CI run once hit): it waits for the end of the call, and the marks are gone.
     import jaxstate._jit as jit_module
 
-    checkout = jit_module.checkout
+    take = jit_module.take
 
-    def checkout_then_interrupt(ids):
-        checkout(ids)
+    def take_then_interrupt(ids):
+        opened = take(ids)
         _thread.interrupt_main()
+        return opened
 
     model = Model()
     step = jaxstate.jit(_step)
     step(model)
-    monkeypatch.setattr(jit_module, "checkout", checkout_then_interrupt)
+    monkeypatch.setattr(jit_module, "take", take_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         step(model)
     monkeypatch.undo()

@@ -28,9 +28,9 @@ import jax.tree_util as jtu
 from jax.experimental import checkify
 
 from . import _jax
-from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart
+from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart, Part, Plan
 from ._local import LocalRef
-from ._lock import checkout, enter_critical, exit_critical, release
+from ._lock import give, take
 from ._storage import Handle, passed_in, Storage
 from ._vmap import is_eager
 
@@ -230,7 +230,9 @@ class _JitWrapper:
         self.cache: dict[Any, _Compiled] = {}
         self.memo = Memo(fun)
         self.last: tuple[Any, _Compiled] | None = None
-        # Guards the cache and the memo (threads may call one function together).
+        # Guards the cache and the slow path's bookkeeping (threads may call one
+        # function together). The fast path touches the memo only by single dict
+        # operations, atomic under the GIL; a race can only cost a slow call.
         self.lock = threading.Lock()
         # Name and docstring only: copying `fun.__dict__` could copy another
         # wrapper's attributes (e.g. from a `jax.vmap` of a `jaxstate.jit` function)
@@ -266,89 +268,109 @@ class _JitWrapper:
         entries.append((weakref.ref(self), call.key, compiled))
         return compiled
 
-    def _forget(self, compiled: _Compiled, call: Call) -> None:
+    def _forget(self, compiled: _Compiled, call: Call | Part) -> None:
         self.cache = {k: c for k, c in self.cache.items() if c is not compiled}
         if self.last is not None and self.last[1] is compiled:
             self.last = None
         for storage in call.statics:
             storage.jits[:] = [e for e in storage.jits if e[2] is not compiled]
 
-    def _prepare(self, args, kwargs) -> tuple[_Compiled, Call, list, list]:
+    def _prepare(self, args, kwargs) -> tuple[_Compiled, Call, list]:
         memo = self.memo
         call = Call(
             [memo.fun_part(), memo.kwargs_part(kwargs), *[memo.part(a) for a in args]],
             memo,
         )
         compiled = self._compiled(call)
-        arrays = call.arrays
-        if self.donate == "none":
-            kept, donated = arrays, []
-        elif self.donate in ("all", "warn"):
-            kept, donated = [], arrays
-        else:  # all but the arrays of `fun`, the keyword arguments and the first
-            n = call.n_first()
-            kept, donated = arrays[:n], arrays[n:]
-        return compiled, call, kept, donated
+        memo.plan = None
+        if (
+            not kwargs
+            and not call.statics
+            and not compiled.created
+            and memo.fun.fixed
+            and all(p.fixed for p in call.parts if type(p) is Part)
+        ):
+            memo.plan = Plan(call, compiled, memo)
+        return compiled, call, call.arrays
+
+    def _split(self, arrays: list, n_first: int) -> tuple[list, list]:
+        """(kept, donated) arrays."""
+        donate = self.donate
+        if donate == "none":
+            return arrays, []
+        if donate in ("all", "warn"):
+            return [], arrays
+        # All but the arrays of `fun`, the keyword arguments and the first argument.
+        return arrays[:n_first], arrays[n_first:]
 
     def __call__(self, *args, **kwargs):
         if not is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
-        with self.lock:
-            compiled, call, kept, donated = self._prepare(args, kwargs)
+        memo = self.memo
+        plan = memo.plan
+        matched = None if plan is None or kwargs else plan.match(args, memo)
+        if plan is None or matched is None:
+            with self.lock:
+                compiled, call, arrays = self._prepare(args, kwargs)
+            n_first = call.n_first
+        else:
+            arrays, call = matched
+            compiled, n_first = plan.compiled, plan.n_first
+        kept, donated = self._split(arrays, n_first)
+        ids, impls, tracing = call.ids, call.impls, compiled._tracing
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
-        ids, impls, tracing = call.ids, call.impls, compiled._tracing
-        # The critical section around the checkout too: an interrupt between the
-        # checkout and its release would leave the states marked in use.
-        opened = enter_critical()
+        opened = take(ids)
         try:
-            checkout(ids)
+            inputs = (kept, donated, list(map(_get_buf, impls)), None)
+            # What a trace, if JAX starts one, needs to know (see `_inner`).
+            tracing.storages = call.storages
             try:
-                inputs = (kept, donated, list(map(_get_buf, impls)), None)
-                # What a trace, if JAX starts one, needs to know (see `_inner`).
-                tracing.storages = call.storages
-                try:
-                    if compiled.fresh or _jax.debugging_nans():
-                        out = compiled.run(inputs, self.hide_warning)
-                    else:
-                        try:
-                            out = compiled.jitted(*inputs)
-                        except _Undonate:  # a new program for new shapes
-                            compiled.stop_donating()
-                            out = compiled.jitted(*inputs)
-                finally:
-                    tracing.storages = ()
-                out_arrays, static, new_bufs = out
-                for impl, buf in zip(impls, new_bufs, strict=True):
-                    impl._buf = buf
+                if compiled.fresh or _jax.debugging_nans():
+                    out = compiled.run(inputs, self.hide_warning)
+                else:
+                    try:
+                        out = compiled.jitted(*inputs)
+                    except _Undonate:  # a new program for new shapes
+                        compiled.stop_donating()
+                        out = compiled.jitted(*inputs)
             finally:
-                release(ids)
+                tracing.storages = ()
+            out_arrays, static, new_bufs = out
+            for impl, buf in zip(impls, new_bufs, strict=True):
+                impl._buf = buf
         finally:
-            exit_critical(opened)
+            give(ids, opened)
         return self._rebuild_outputs(compiled, call, out_arrays, static)
 
-    def _rebuild_outputs(self, compiled: _Compiled, call: Call, out_arrays, static):
-        with self.lock:
-            if compiled.created:
+    def _rebuild_outputs(
+        self, compiled: _Compiled, call: Call | Part, out_arrays, static
+    ):
+        memo, created = self.memo, compiled.created
+        if created:
+            with self.lock:
                 self._forget(compiled, call)
-            is_tuple, out_parts = static.value
-            outs, start, memo = [], 0, self.memo
-            for op in out_parts:
-                arrays = out_arrays[start : start + op.n]
-                start += op.n
-                if op.is_leaf:
-                    out = arrays[0]
-                elif op.only_arrays:
-                    out = op.treedef.unflatten(arrays)
-                else:
-                    out = op.treedef.unflatten(op.leaves(arrays, call))
-                if op.module and not compiled.created:
-                    part = op.part(arrays, call, compiled.slot_sigs)
-                    if part is not None:
-                        memo.remember(out, part)
-                outs.append(out)
-            memo.next_call()
+                memo.plan = None
+        is_tuple, out_parts = static.value
+        outs, start = [], 0
+        for op in out_parts:
+            if op.is_leaf:
+                outs.append(out_arrays[start])
+                start += 1
+                continue
+            arrays = out_arrays[start : start + op.n]
+            start += op.n
+            if op.only_arrays:
+                out = op.treedef.unflatten(arrays)
+            else:
+                out = op.treedef.unflatten(op.leaves(arrays, call))
+            if op.module and not created:
+                part = op.part(arrays, call, compiled.slot_sigs)
+                if part is not None:
+                    memo.remember(out, part)
+            outs.append(out)
+        memo.next_call()
         return tuple(outs) if is_tuple else outs[0]
 
     def lower(self, *args, **kwargs) -> "Lowered":
@@ -359,7 +381,8 @@ class _JitWrapper:
         arguments as this one.
         """
         with self.lock:
-            compiled, call, kept, donated = self._prepare(args, kwargs)
+            compiled, call, arrays = self._prepare(args, kwargs)
+        kept, donated = self._split(arrays, call.n_first)
         compiled.passed = call.storages
         try:
             bufs = list(map(_get_buf, call.impls))
@@ -401,26 +424,23 @@ class AotCompiled:
     def __call__(self, *args, **kwargs):
         wrapper = self._wrapper
         with wrapper.lock:
-            compiled, call, kept, donated = wrapper._prepare(args, kwargs)
+            compiled, call, arrays = wrapper._prepare(args, kwargs)
         if compiled is not self._compiled:
             raise TypeError(
                 "This compiled function was lowered for arguments of another "
                 "structure (or other static values). Call `jaxstate.jit(f)` itself, "
                 "which compiles for each structure, or lower it again for these."
             )
+        kept, donated = wrapper._split(arrays, call.n_first)
         ids, impls = call.ids, call.impls
-        opened = enter_critical()  # around the checkout too, as in `__call__`
+        opened = take(ids)
         try:
-            checkout(ids)
-            try:
-                inputs = (kept, donated, list(map(_get_buf, impls)), None)
-                out_arrays, static, new_bufs = self._executable(*inputs)
-                for impl, buf in zip(impls, new_bufs, strict=True):
-                    impl._buf = buf
-            finally:
-                release(ids)
+            inputs = (kept, donated, list(map(_get_buf, impls)), None)
+            out_arrays, static, new_bufs = self._executable(*inputs)
+            for impl, buf in zip(impls, new_bufs, strict=True):
+                impl._buf = buf
         finally:
-            exit_critical(opened)
+            give(ids, opened)
         return wrapper._rebuild_outputs(compiled, call, out_arrays, static)
 
     def __getattr__(self, name: str):

@@ -236,6 +236,7 @@ class Call:
         "indices",
         "ids",
         "statics",
+        "n_first",
     )
 
     def __init__(self, parts: list, memo: "Memo"):
@@ -267,10 +268,18 @@ class Call:
         else:
             self._number_across(parts, keys, memo)
 
-    def n_first(self) -> int:
-        """How many arrays the function, the keyword arguments and the first
-        argument hold."""
-        return sum(len(p.arrays) if type(p) is Part else 1 for p in self.parts[:3])
+        # How many arrays the function, the keyword arguments and the first
+        # argument hold (for `donate="all-except-first"`).
+        self.n_first = sum(len(p.arrays) if type(p) is Part else 1 for p in parts[:3])
+
+    def layout(self) -> "Call":
+        """This call without its arguments and arrays: what another call with the
+        same layout shares (see `Plan`)."""
+        other = Call.__new__(Call)
+        for name in Call.__slots__:
+            setattr(other, name, getattr(self, name))
+        other.parts, other.arrays = [], []
+        return other
 
     def _number_across(self, parts, keys, memo: "Memo") -> None:
         # Several arguments reach states (perhaps the same ones): one slot per
@@ -325,6 +334,72 @@ class Call:
                 self.indices,
                 self.ids,
             )
+
+
+def _same(xs: list, ys: list) -> bool:
+    return xs is ys or (len(xs) == len(ys) and all(map(operator.is_, xs, ys)))
+
+
+class Plan:
+    """The last call's arguments, as far as they decide everything but the arrays.
+
+    A later call whose every argument is an array where the last call had one, or
+    an object whose remembered part has the very same key, is the same call with
+    other arrays: it reuses the last call's compiled function and only gathers the
+    arrays. This is the path of a training loop, checked by identity alone.
+
+    When at most one part reaches states, that part serves as the call (its slots
+    are the call's), so the plan holds no state: it stays valid for the next model
+    of a training loop and keeps nothing alive. When several do, the plan keeps
+    the numbering `Call` and matches each part's states too (as `Memo.numbering`,
+    until the next call that does not match).
+    """
+
+    __slots__ = ("compiled", "fun", "keys", "storages", "call", "n_first")
+
+    def __init__(self, call: Call, compiled: Any, memo: "Memo"):
+        self.compiled = compiled
+        self.fun = memo.fun
+        parts = call.parts[2:]
+        # Per positional argument: `None` for an array, else its part's key.
+        self.keys = [p.key if type(p) is Part else None for p in parts]
+        self.n_first = call.n_first
+        self.call: Call | None = None
+        self.storages: list | None = None
+        if sum(bool(p.storages) for p in call.parts if type(p) is Part) > 1:
+            # Not the call itself: the plan must not keep its arrays alive.
+            self.call = call.layout()
+            self.storages = [p.storages if type(p) is Part else None for p in parts]
+
+    def match(self, args: tuple, memo: "Memo") -> tuple[list, Any] | None:
+        """`(arrays, call)` if `args` match, else `None`. The call is a `Call` or a
+        `Part` (which has everything of a call that the call's path reads)."""
+        keys = self.keys
+        if len(args) != len(keys) or memo.fun is not self.fun:
+            return None
+        fun = self.fun
+        arrays = list(fun.arrays)
+        call = fun if fun.storages else _EMPTY_DICT
+        entries, used, storages = memo.entries, memo.used, self.storages
+        for i, (arg, key) in enumerate(zip(args, keys, strict=True)):
+            if key is None:
+                if (_kinds.get(type(arg)) or kind(type(arg))) != _ARRAY_KIND:
+                    return None
+                arrays.append(arg)
+                continue
+            entry = entries.get(id(arg))
+            if entry is None or entry[0]() is not arg:
+                return None
+            part = entry[1]
+            if part.key is not key:
+                return None
+            if part.storages:
+                if storages is not None and not _same(part.storages, storages[i]):
+                    return None
+                call = part
+            used[id(arg)] = entry
+            arrays += part.arrays
+        return arrays, (call if self.call is None else self.call)
 
 
 class OutPart:
@@ -494,6 +569,8 @@ class Memo:
         self.used: dict[int, tuple[Any, Part]] = {}
         # The last call's numbering of states across several arguments (`Call`).
         self.numbering: Any = None
+        # What the last call looked like, if a later one may take the fast path.
+        self.plan: Plan | None = None
 
     def fun_part(self) -> Part:
         if not self.fun.fixed:

@@ -28,12 +28,13 @@ _cond = threading.Condition(_lock)
 # Storage id -> thread that checked it out.
 _busy: dict[int, int] = {}
 _waiting = 0  # threads waiting in `_wait_free`
+_get_ident = threading.get_ident
 
 
 def _wait_free(ids: Iterable[int]) -> None:
     # Called with `_lock` held.
     global _waiting
-    me = threading.get_ident()
+    me = _get_ident()
     while True:
         owners = [_busy[i] for i in ids if i in _busy]
         if not owners:
@@ -63,22 +64,37 @@ def exclusive(storages: Iterable[Any]) -> Iterator[None]:
         yield
 
 
-def checkout(ids: Iterable[int]) -> None:
-    """Marks the states as in use by this thread's `jaxstate.jit` call."""
-    with _lock:
-        if _busy:
-            _wait_free(ids)
-        me = threading.get_ident()
-        for i in ids:
-            _busy[i] = me
+def take(ids: list[int]) -> bool:
+    """Opens a critical section, then marks the states as in use by this thread's
+    `jaxstate.jit` call. Pass what it returns to `give`.
+
+    In that order: an interrupt between the marking and the `try` that gives them
+    back would otherwise leave them marked forever.
+    """
+    opened = enter_critical()
+    try:
+        with _lock:
+            if _busy:
+                _wait_free(ids)
+            me = _get_ident()
+            for i in ids:
+                _busy[i] = me
+    except BaseException:
+        exit_critical(opened)
+        raise
+    return opened
 
 
-def release(ids: Iterable[int]) -> None:
+def give(ids: list[int], opened: bool) -> None:
+    """Undoes `take`: the states are free again, then the section closes (raising
+    an interrupt that came during it)."""
     with _lock:
         for i in ids:
             del _busy[i]
         if _waiting:
             _cond.notify_all()
+    if opened:
+        exit_critical(opened)
 
 
 #
@@ -88,14 +104,22 @@ def release(ids: Iterable[int]) -> None:
 #
 
 
-class _Section(threading.local):
-    depth = 0  # open critical sections in this thread
-    deferred: Any = None  # an interrupt that came during them
+class _Section:
+    # Sections are only opened in the main thread, the one that runs signal
+    # handlers: one record serves.
+    __slots__ = ("depth", "deferred")
+
+    def __init__(self):
+        self.depth = 0  # open critical sections
+        self.deferred: Any = None  # an interrupt that came during them
 
 
 _local = _Section()
 _main = threading.main_thread().ident
-_get_ident = threading.get_ident
+# `_signal.getsignal`: `signal.getsignal` also converts the handler to an enum,
+# which costs more than the rest of a call's bookkeeping.
+_getsignal = _signal.getsignal
+_SIGINT = int(signal.SIGINT)
 
 
 class _Deferring:
@@ -112,9 +136,7 @@ class _Deferring:
 
 
 def _install() -> bool:
-    # `_signal.getsignal`: `signal.getsignal` also converts the handler to an enum,
-    # which costs more than the rest of a call's bookkeeping.
-    current = _signal.getsignal(signal.SIGINT)
+    current = _getsignal(_SIGINT)
     if type(current) is _Deferring:
         return True
     if not callable(current):
@@ -126,11 +148,10 @@ def _install() -> bool:
 
 
 def enter_critical() -> bool:
-    """Opens a critical section; pass what it returns to `exit_critical`. (The
-    pair, rather than `critical()`, on the hot path of `jaxstate.jit`.)"""
+    """Opens a critical section; pass what it returns to `exit_critical`."""
     if _get_ident() != _main:
         return False
-    if type(_signal.getsignal(signal.SIGINT)) is not _Deferring and not _install():
+    if type(_getsignal(_SIGINT)) is not _Deferring and not _install():
         return False
     _local.depth += 1
     return True
@@ -144,7 +165,7 @@ def exit_critical(opened: bool) -> None:
     deferred = _local.deferred
     if deferred is not None and _local.depth == 0:
         _local.deferred = None
-        handler = _signal.getsignal(signal.SIGINT)
+        handler = _getsignal(_SIGINT)
         if isinstance(handler, _Deferring):
             handler.previous(*deferred)
 

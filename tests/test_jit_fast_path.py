@@ -1,0 +1,195 @@
+"""`jaxstate.jit`'s fast path (`Plan` in src/jaxstate/_jit_args.py): a call whose
+arguments match the last call's by identity reuses its compiled function and
+layout. Whatever it skips, it must give what the slow path gives: each call reads
+and writes its own model's states, and nothing is kept alive."""
+
+import gc
+import weakref
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+from jaxstate import _jit_args
+
+
+class Counter(eqx.Module):
+    weight: jax.Array
+    count: jaxstate.StateIndex
+
+    def __init__(self, start=0.0):
+        self.weight = jnp.ones(2)
+        self.count = jaxstate.StateIndex(init=jnp.array(start))
+
+
+def _bump(model, x):
+    jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+    return eqx.tree_at(lambda m: m.weight, model, model.weight + x), jnp.sum(x)
+
+
+@pytest.fixture
+def hits(monkeypatch) -> list:
+    """Whether each call matched the plan (True) or took the slow path (False)."""
+    seen = []
+    match = _jit_args.Plan.match
+
+    def watched(self, args, memo):
+        out = match(self, args, memo)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_jit_args.Plan, "match", watched)
+    return seen
+
+
+def test_a_training_loop_takes_the_fast_path(hits):
+    step = jaxstate.jit(_bump)
+    model = Counter()
+    for _ in range(6):
+        model, _ = step(model, jnp.ones(2))
+    # The first call has no plan, the second passes the first's output (whose part
+    # has another key object than the analysed first model's): then every call
+    # matches.
+    assert hits == [False] + [True] * 4
+    assert float(model.count.unsafe_get()) == 6
+    np.testing.assert_allclose(model.weight, 7.0)
+
+
+def test_two_models_of_one_structure_keep_their_own_states():
+    # One compiled function, one plan for both: the states must still be each
+    # model's own.
+    step = jaxstate.jit(_bump)
+    a, b = Counter(0.0), Counter(100.0)
+    for _ in range(4):
+        a, _ = step(a, jnp.ones(2))
+        b, _ = step(b, jnp.zeros(2))
+    assert len(step.cache) == 1
+    assert float(a.count.unsafe_get()) == 4
+    assert float(b.count.unsafe_get()) == 104
+    np.testing.assert_allclose(a.weight, 5.0)
+    np.testing.assert_allclose(b.weight, 1.0)
+
+
+def test_several_stateful_arguments_are_matched_state_by_state(hits):
+    @jaxstate.jit
+    def step(model, metric, x):
+        jaxstate.set_state(metric.count, jaxstate.get_state(metric.count) + 10)
+        return _bump(model, x)[0], jnp.sum(x)
+
+    model = Counter()
+    m1, m2 = Counter(0.0), Counter(1000.0)
+    for i in range(6):
+        # The same structure in both positions; the second one's states alternate.
+        model, _ = step(model, m1 if i % 2 else m2, jnp.ones(2))
+    assert float(model.count.unsafe_get()) == 6
+    assert float(m1.count.unsafe_get()) == 30
+    assert float(m2.count.unsafe_get()) == 1030
+    # Passing the same metric again matches.
+    hits.clear()
+    model, _ = step(model, m1, jnp.ones(2))
+    model, _ = step(model, m1, jnp.ones(2))
+    assert hits[-1] is True
+    assert float(m1.count.unsafe_get()) == 50
+
+
+def test_one_model_in_two_positions_is_one_state(hits):
+    @jaxstate.jit
+    def step(a, b):
+        jaxstate.set_state(a.count, jaxstate.get_state(a.count) + 1)
+        jaxstate.set_state(b.count, jaxstate.get_state(b.count) + 1)
+        return jaxstate.get_state(a.count)
+
+    model = Counter()
+    for _ in range(3):
+        step(model, model)  # one state, written twice per call
+    assert hits[-1] is True
+    assert float(model.count.unsafe_get()) == 6
+    other = Counter()
+    step(model, other)  # now two states: another layout, the slow path
+    assert hits[-1] is False
+    assert float(model.count.unsafe_get()) == 7
+    assert float(other.count.unsafe_get()) == 1
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param(lambda m, x: ((m, x), {}), id="same"),
+        pytest.param(lambda m, x: ((m, np.ones(2, np.float32)), {}), id="numpy"),
+        pytest.param(lambda m, x: ((m,), {"x": x}), id="keyword"),
+        pytest.param(lambda m, x: ((m, [x]), {}), id="list"),
+        pytest.param(lambda m, x: ((m, x, x), {}), id="extra"),
+        pytest.param(lambda m, x: ((Counter(), x), {}), id="new-model"),
+    ],
+)
+def test_other_arguments_give_what_the_slow_path_gives(second):
+    def body(model, x):
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return jax.tree.reduce(lambda a, b: a + jnp.sum(b), x, 0.0)
+
+    def run(use_plans: bool):
+        step = jaxstate.jit(lambda m, x=None, *rest: body(m, (x, *rest)))
+        model, x = Counter(), jnp.ones(2)
+        outs = []
+        for i in range(4):
+            args, kwargs = ((model, x), {}) if i % 2 == 0 else second(model, x)
+            if not use_plans:
+                step.memo.plan = None
+            outs.append(float(step(*args, **kwargs)))
+        return outs, float(model.count.unsafe_get())
+
+    assert run(True) == run(False)
+
+
+def test_the_plan_keeps_no_state_alive():
+    step = jaxstate.jit(_bump)
+    model = Counter()
+    for _ in range(3):
+        model, _ = step(model, jnp.ones(2))
+    assert step.memo.plan is not None
+    storage = weakref.ref(model.count._handle.get())
+    del model
+    gc.collect()
+    assert storage() is None
+
+
+def test_a_pending_state_makes_no_plan():
+    class Lazy(eqx.Module):
+        count: jaxstate.StateIndex
+
+        def __init__(self):
+            self.count = jaxstate.StateIndex()
+
+    @jaxstate.jit
+    def step(model):
+        jaxstate.set_state(model.count, jnp.array(1.0))
+        return jnp.array(0.0)
+
+    model = Lazy()
+    step(model)
+    # The state had no value when the call was planned (its key could still
+    # change), and the program wrote that model's own reference: no plan.
+    assert step.memo.plan is None
+    step(model)
+    step(model)
+    assert step.memo.plan is not None
+    assert float(model.count.unsafe_get()) == 1.0
+
+
+def test_a_failed_call_on_the_fast_path_leaves_the_state_as_it_was():
+    @jaxstate.jit
+    def step(model, x):
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return model.weight @ x
+
+    model = Counter()
+    step(model, jnp.ones(2))
+    step(model, jnp.ones(2))
+    with pytest.raises(TypeError):
+        step(model, jnp.ones(3))  # a shape the function cannot take
+    assert float(model.count.unsafe_get()) == 2
+    step(model, jnp.ones(2))
+    assert float(model.count.unsafe_get()) == 3
