@@ -49,7 +49,9 @@ class _Static:
         self.value = value
 
 
-jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
+# The instance itself is the aux data, so rebuilding it is one Python call that
+# allocates nothing (this runs on every call, from JAX's C++ dispatch).
+jtu.register_pytree_node(_Static, lambda s: ((), s), lambda s, _: s)
 
 
 def _rebuild(spec, arrays, handles) -> list:
@@ -317,7 +319,10 @@ class _JitWrapper:
         else:
             arrays, call = matched
             compiled, n_first = plan.compiled, plan.n_first
-        kept, donated = self._split(arrays, n_first)
+        if self.donate == "none":
+            kept, donated = arrays, []
+        else:
+            kept, donated = self._split(arrays, n_first)
         ids, impls, tracing = call.ids, call.impls, compiled._tracing
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
