@@ -10,7 +10,9 @@ rotated every round), each round running many steps of each variant twice:
 - "pipelined": launch N steps, block once at the end;
 - "blocked": block on each step's result.
 
-The figure reported is the median over rounds of the per-step time of each round.
+The figure reported is the median over rounds of the per-step time of each round;
+a ratio between two variants is the median over rounds of their ratio within the
+round.
 """
 
 import dataclasses
@@ -302,10 +304,14 @@ class ScenarioResult:
         return self.timings[name].us(mode) / self.scale
 
     def ratio(self, name: str, mode: str, to: str | None = None) -> float:
+        """The median over rounds of the two variants' ratio within each round:
+        they ran close together in time, so a round in which the machine was
+        slower for every variant cancels out (a ratio of medians would not)."""
         to = self.baseline if to is None else to
         if name not in self.timings or to not in self.timings:
             return math.nan
-        return self.timings[name].us(mode) / self.timings[to].us(mode)
+        a, b = self.timings[name].samples[mode], self.timings[to].samples[mode]
+        return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
     @property
     def met(self) -> bool:

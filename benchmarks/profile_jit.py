@@ -50,6 +50,10 @@ GIVE = "check the states back in (`_lock.give`)"
 REBUILD = "rebuild the outputs (`_rebuild_outputs`)"
 STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD)
 # Other keys of `Breakdown.pieces`.
+NEXT_CALL = (
+    "of the rebuild: `Memo.next_call`, which drops the last call's memo entries "
+    "and so frees what only they still held (an optax state's arrays)"
+)
 UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
 COPY = "sum: the copy of the fast path"
 FULL = "jaxstate.jit, the whole call"
@@ -152,15 +156,27 @@ def breakdown(
 def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     wrapper = jaxstate.jit(fun)
     state = {"args": args}
-    spent = [0.0] * len(STAGES)
+    spent = [0.0] * (len(STAGES) + 1)  # the last: `Memo.next_call`
 
     def real():
         out = wrapper(*state["args"])
         state["args"] = next_args(out, state["args"])
         return out
 
+    memo = wrapper.memo
+    next_call = memo.next_call
+
+    def timed_next_call():
+        t0 = time.perf_counter()
+        next_call()
+        spent[-1] += time.perf_counter() - t0
+
     def copy():
-        out = _timed_call(wrapper, state["args"], spent)
+        memo.next_call = timed_next_call
+        try:
+            out = _timed_call(wrapper, state["args"], spent)
+        finally:
+            del memo.next_call
         state["args"] = next_args(out, state["args"])
         return out
 
@@ -168,7 +184,6 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
         jax.block_until_ready(real())
     jax.block_until_ready(copy())
     # What one call sees: counts, and the output to time its unflatten alone.
-    memo = wrapper.memo
     plan = memo.plan
     arrays, call = plan.match(state["args"], memo)
     counts = {N_ARRAYS: len(arrays), N_BUFS: len(call.impls)}
@@ -197,17 +212,19 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     def unflatten():
         return [treedef.unflatten(leaves) for treedef, leaves in jobs]
 
-    samples: dict[str, list[float]] = {k: [] for k in (*STAGES, UNFLATTEN, COPY)}
+    samples: dict[str, list[float]] = {
+        k: [] for k in (*STAGES, NEXT_CALL, UNFLATTEN, COPY)
+    }
     samples[FULL], samples[HAND] = [], []
     n = max(20, calls // rounds)
     runs = {HAND: baseline_call, FULL: real, COPY: copy, UNFLATTEN: unflatten}
     for r in range(rounds):
         names = list(runs)
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            spent[:] = [0.0] * len(STAGES)
+            spent[:] = [0.0] * len(spent)
             samples[name].append(_per_call_us(runs[name], n))
             if name == COPY:
-                for stage, total in zip(STAGES, spent, strict=True):
+                for stage, total in zip((*STAGES, NEXT_CALL), spent, strict=True):
                     samples[stage].append(1e6 * total / n)
     pieces = {k: statistics.median(v) for k, v in samples.items()}
     return Breakdown(pieces, counts)

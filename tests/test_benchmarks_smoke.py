@@ -105,3 +105,48 @@ def test_s6_rows_and_alias():
         ]
         assert module.KEY in bench_main.RUNNERS
     assert bench_main.ALIASES["S6"] == ["S6a", "S6b", "S6c"]
+
+
+def test_the_profile_splits_a_fast_path_call():
+    # The profile in docs/performance.md: a copy of jaxstate.jit's fast path with
+    # clocks between its stages. If src/ changes the path, this fails here rather
+    # than printing an unusable report.
+    from benchmarks import profile_jit as P
+
+    fun, args = s1_dispatch.profile_setup()
+    hand = s1_dispatch._hand_variant()
+    assert hand.step is not None
+    b = P.breakdown(
+        fun, args, lambda out, a: (out[0], a[1]), 60, baseline_call=hand.step, rounds=2
+    )
+    assert b.error is None
+    assert set(b.pieces) == {
+        *P.STAGES,
+        P.NEXT_CALL,
+        P.UNFLATTEN,
+        P.COPY,
+        P.FULL,
+        P.HAND,
+    }
+    assert all(v > 0 for v in b.pieces.values())
+    # The stages are the copy's whole time, clocks aside.
+    assert sum(b.pieces[k] for k in P.STAGES) <= b.pieces[P.COPY]
+    assert b.counts == {
+        P.N_ARRAYS: 5,  # the Linear's and BatchNorm's parameters, the batch
+        P.N_BUFS: 3,  # BatchNorm's mean, variance and counter
+        P.N_OUT_ARRAYS: 5,  # the four parameters and the loss
+        P.N_OUT_MODULES: 3,  # the model, its Linear and its BatchNorm
+    }
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    from benchmarks._harness import Timing
+
+    # Round 2 ran on a slower machine for both. Per round, b takes 2, 2 and 1.5
+    # times a's time: the ratio is 2, where the ratio of the medians (2 / 1.2)
+    # would say 1.67.
+    a = Timing(1, {"pipelined": [1.0, 5.0, 1.2]})
+    b = Timing(1, {"pipelined": [2.0, 10.0, 1.8]})
+    res = ScenarioResult("X", "", "", "", [], {"a": a, "b": b}, "a", None)
+    assert res.ratio("b", "pipelined") == 2.0
+    assert res.ratio("a", "pipelined") == 0.5
