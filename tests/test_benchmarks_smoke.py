@@ -149,4 +149,4 @@ def test_ratios_are_medians_of_per_round_ratios():
     b = Timing(1, {"pipelined": [2.0, 10.0, 1.8]})
     res = ScenarioResult("X", "", "", "", [], {"a": a, "b": b}, "a", None)
     assert res.ratio("b", "pipelined") == 2.0
-    assert res.ratio("a", "pipelined") == 0.5
+    assert res.ratio("a", "pipelined", to="b") == 0.5
