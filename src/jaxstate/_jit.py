@@ -9,7 +9,8 @@ arrays at its boundary, so it takes JAX's C++ fast path, and XLA aliases each st
 output to its donated input: updates stay in place.
 The cache is keyed by structure alone (handles are replaced by slot numbers), so
 one compiled function serves every model of the same structure and holds no state.
-Arguments are worked out once per object (`_jit_args.py`). A call checks its states
+Arguments are worked out once per object (`_jit_args.py`), and a call whose arguments
+match the last call's by identity skips even that (`Plan`). A call checks its states
 out while it runs and defers interrupts until they are back (`_lock.py`).
 See docs/design.md, "jaxstate.jit".
 """

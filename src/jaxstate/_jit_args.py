@@ -10,8 +10,9 @@ Python costs far more than the compiled call of a small step. So parts are worke
 once per argument *object* and remembered (`Memo`): an Equinox module passed again is
 the same object, and the modules a call returns get their parts for free, from what
 the compiled function already knows about its outputs (`OutPart`). A training loop
-(`model = step(model, x)`) therefore never flattens its model on the hot path.
-See docs/design.md, "jaxstate.jit".
+(`model = step(model, x)`) therefore never flattens its model on the hot path, and
+once its arguments match the last call's by identity (`Plan`), it does not even put
+the call together again. See docs/design.md, "jaxstate.jit".
 """
 
 import dataclasses
