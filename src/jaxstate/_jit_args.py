@@ -484,7 +484,7 @@ class OutPart:
         `leaves` expects them."""
         return [x for x in jtu.tree_leaves(out) if isinstance(x, _OUT_ARRAY_TYPES)]
 
-    def leaves(self, arrays: list, call: "Call") -> list:
+    def leaves(self, arrays: list, call: "Call | Part") -> list:
         """The leaves to unflatten `treedef` with, from a call's output arrays."""
         leaves = self._statics.copy()
         for i, array in zip(self._array_pos, arrays, strict=True):
@@ -524,7 +524,7 @@ class OutPart:
         in_order = slot_map == list(range(len(slot_map)))
         return (self.key_treedef, tuple(spec)), slot_map, in_order
 
-    def part(self, arrays: list, call: "Call", slot_sigs) -> Part | None:
+    def part(self, arrays: list, call: "Call | Part", slot_sigs) -> Part | None:
         if self._template is None:
             self._template = self._make_template(slot_sigs)
         if self._template is False:
