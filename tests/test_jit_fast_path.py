@@ -4,6 +4,7 @@ layout. Whatever it skips, it must give what the slow path gives: each call read
 and writes its own model's states, and nothing is kept alive."""
 
 import gc
+import sys
 import weakref
 
 import equinox as eqx
@@ -193,3 +194,38 @@ def test_a_failed_call_on_the_fast_path_leaves_the_state_as_it_was():
     assert float(model.count.unsafe_get()) == 2
     step(model, jnp.ones(2))
     assert float(model.count.unsafe_get()) == 3
+
+
+def test_threads_with_their_own_models_keep_their_own_states():
+    # One function, one plan at a time, replaced as the threads' calls interleave
+    # (the fast path touches the memo without the wrapper's lock).
+    import threading
+
+    step = jaxstate.jit(_bump)
+    models = [Counter(100.0 * i) for i in range(4)]
+    step(models[0], jnp.ones(2))
+    errors = []
+
+    def worker(i):
+        try:
+            model = models[i]
+            for _ in range(300):
+                model, _ = step(model, jnp.ones(2))
+            models[i] = model
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, mid-call
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    counts = [float(m.count.unsafe_get()) for m in models]
+    assert counts == [301.0, 400.0, 500.0, 600.0]
+    np.testing.assert_allclose(models[1].weight, 301.0)
