@@ -1,7 +1,10 @@
 """Pieces shared by the scenarios: a hand-written BatchNorm whose running statistics
 are threaded functionally, and small helpers."""
 
-from collections.abc import Callable, Sequence
+import contextlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -20,6 +23,19 @@ def cycler(batches: Sequence[Any], call: Callable[..., Any]) -> Callable[[], Any
         return call(*batches[i])
 
     return step
+
+
+@contextlib.contextmanager
+def one_core_busy() -> Iterator[None]:
+    """Runs a process that keeps one core busy (a Python busy loop) for the block:
+    what a data loader or another job on the same machine does to a training
+    loop."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def on_device(tree):

@@ -237,6 +237,12 @@ def _valid_stack(stack) -> bool:
             grads = [j for j, a in enumerate(above) if a == "grad"]
             if grads and any(a in LOOP_KINDS for a in above[grads[0] :]):
                 return False
+            # JAX limit, also for raw refs: under grad, a `cond`/`switch` around a
+            # `custom_vjp` function that reads state fails to lower ("No constant
+            # handler for type: Ref"; `test_known_limit_custom_vjp_in_a_cond_under_
+            # grad`).
+            if grads and any(a in ("cond", "switch") for a in above[grads[0] :]):
+                return False
     return True
 
 
@@ -477,6 +483,39 @@ def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
     loss = lambda p: jax.checkpoint(checkpointed)(p, jnp.float32(3.0))
     assert jax.grad(loss)(jnp.float32(1.0)) == 1.0  # the declared derivative
     assert value() == 2.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="JAX 0.10 limit, also for raw jax.Refs: under grad, a cond or switch "
+    "around a custom_vjp function that reads state fails to lower ('No constant "
+    "handler for type: Ref'), eagerly and under every compiler",
+)
+@pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
+@pytest.mark.parametrize("branch", ["cond", "switch"])
+def test_known_limit_custom_vjp_in_a_cond_under_grad(raw, branch):
+    # Found by the nightly profile: Case(eager, stack=[grad, switch(1, static),
+    # custom_vjp], program=[get(a)]).
+    if raw:
+        ref = jax.new_ref(jnp.float32(3.0))
+        read = lambda: ref[...]
+    else:
+        index = jaxstate.StateIndex(init=jnp.float32(3.0))
+        read = lambda: jaxstate.get_state(index)
+
+    @jax.custom_vjp
+    def f(p):
+        return p * read()
+
+    f.defvjp(lambda p: (f(p), None), lambda _, ct: (3.0 * ct,))
+    zero = lambda: jnp.float32(0.0)
+    if branch == "cond":
+        loss = lambda p: lax.cond(p > 0, lambda: f(p), zero)
+    else:
+        loss = lambda p: lax.switch(1, [zero, lambda: f(p)])
+    assert loss(jnp.float32(2.0)) == 6.0  # without grad: right
+    assert jax.grad(loss)(jnp.float32(2.0)) == 3.0
 
 
 @pytest.mark.xfail(
