@@ -158,7 +158,9 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         "through a copy that calls the same helpers in the same order and reads "
         "the clock between them; the copy, the real call and the hand-threaded "
         "step are timed in the same interleaved rounds (host µs per call: many "
-        "calls, then one wait; medians of 9 rounds). See "
+        "calls, then one wait; the best of 9 rounds, as `timeit` reports, since "
+        "each is a fixed amount of CPU work that the machine's noise only "
+        "lengthens). See "
         "`benchmarks/profile_jit.py`.",
         "",
     ]

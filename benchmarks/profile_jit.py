@@ -15,8 +15,9 @@ path, `_timed_call`, which calls the same helpers in the same order as
   around the output arrays and remembered for the next call).
 
 The copy's total, the real `jaxstate.jit` call and the hand-threaded step are timed
-in the same interleaved rounds (host µs per call: many calls, then one wait), so a
-copy that drifted from `__call__` would show as a gap between the first two. The
+in the same interleaved rounds (host µs per call: many calls, then one wait; the
+best round of each, as `timeit` reports), so a copy that drifted from `__call__`
+would show as a gap between the first two. The
 output `tree_unflatten` is also timed alone, as the part of the rebuild that is
 Equinox's and JAX's own code.
 
@@ -226,7 +227,9 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
             if name == COPY:
                 for stage, total in zip((*STAGES, NEXT_CALL), spent, strict=True):
                     samples[stage].append(1e6 * total / n)
-    pieces = {k: statistics.median(v) for k, v in samples.items()}
+    # The best round of each: a fixed amount of CPU work, which the machine's
+    # noise only ever lengthens (as `timeit` reports).
+    pieces = {k: min(v) for k, v in samples.items()}
     return Breakdown(pieces, counts)
 
 
