@@ -286,7 +286,7 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
         + ".",
     ]
     freed = p[P.NEXT_CALL]
-    if freed > 0.25 * p[P.REBUILD]:
+    if freed > max(2.0, 0.25 * p[P.REBUILD]):
         lines.append(
             f"{freed:.1f} µs of the rebuild is `Memo.next_call`: the memo holds a "
             "tuple argument (an optax state) until the next call, so the previous "
