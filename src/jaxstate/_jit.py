@@ -320,10 +320,7 @@ class _JitWrapper:
         else:
             arrays, call = matched
             compiled, n_first = plan.compiled, plan.n_first
-        if self.donate == "none":
-            kept, donated = arrays, []
-        else:
-            kept, donated = self._split(arrays, n_first)
+        kept, donated = self._split(arrays, n_first)
         ids, impls, tracing = call.ids, call.impls, compiled._tracing
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
