@@ -52,10 +52,12 @@ def _step(model):
 
 def _eager_step(model):
     # Eager writes: each `set_state` is all or nothing, so the pair stays equal.
-    c = model.count.unsafe_get() + 1
+    # An interrupt between the two writes leaves `pair` one ahead; the count is
+    # taken from `pair`, so the next step catches up (counting from `count` would
+    # let two such interrupts in a row put `pair` two ahead, as a CI run once did).
     a, b = jaxstate.get_state(model.pair)
     jaxstate.set_state(model.pair, (a + 1, b + 1))
-    jaxstate.set_state(model.count, c)
+    jaxstate.set_state(model.count, b[0] + 1)
 
 
 def _consistent(model) -> int:
