@@ -124,7 +124,13 @@ def test_matches_equinox(mode, affine, spatial, how):
     ours = jaxstate.nn.BatchNorm(C, "batch", mode=mode, channelwise_affine=affine)
     theirs, state = _theirs(mode, channelwise_affine=affine)
     assert (ours.weight is None) == (not affine) == (theirs.weight is None)
-    _assert_trees_equal(_stats(ours)[0], _their_stats(theirs, state)[0])
+    if mode == "batch":
+        _assert_trees_equal(_stats(ours)[0], _their_stats(theirs, state)[0])
+    else:
+        # Equinox leaves its "ema" buffers uninitialised (`jnp.empty`); ours start
+        # at mean 0 and variance 1, so inference before training is the identity.
+        # Training never reads them: the first step uses the batch's statistics.
+        _assert_trees_equal(_stats(ours)[0], (np.zeros(C), np.ones(C)))
 
     traces = []
     fn = _compiled(how, traces)
@@ -279,6 +285,17 @@ def test_inference_at_construction():
     expected, state = _apply_theirs(theirs, x, state, inference=False)
     np.testing.assert_allclose(out, expected, **TOL)
     _assert_trees_close(_stats(ours), _their_stats(theirs, state))
+
+
+@pytest.mark.parametrize("mode", ["debiased", "batch", "flax", "ema"])
+def test_untrained_inference_is_the_identity_in_every_mode(mode):
+    # docs/layers.md: "Before any training every mode normalises with mean 0 and
+    # variance 1" (a hostile port found "ema" starting at variance 0, as Equinox's
+    # uninitialised buffers happen to on CPU: every output times 1/sqrt(eps)).
+    bn = jaxstate.nn.BatchNorm(C, "batch", mode=mode, inference=True)
+    x = _data(0, _shape(True))
+    out = _ours_fn(bn, x)
+    np.testing.assert_allclose(out, x / np.sqrt(1 + 1e-5), **TOL)
 
 
 @pytest.mark.parametrize("mode", ["batch", "ema"])

@@ -134,3 +134,36 @@ def test_copying_inside_a_transform_is_refused(make_copy):
     with pytest.raises(RuntimeError, match="outside jit"):
         jax.vmap(lambda _: make_copy(model.total).is_set)(jnp.zeros(2))
     np.testing.assert_array_equal(model.total.unsafe_get(), [0.0, 1.0, 2.0])
+
+
+def _params(model):
+    return eqx.filter(model, eqx.is_inexact_array, is_leaf=jaxstate.is_state_index)
+
+
+@pytest.mark.parametrize("compiler", list(COMPILERS))
+def test_a_copy_and_the_original_in_one_tree_map(compiler):
+    # A target network: `tree_map` over a model and its deep copy fails with JAX's
+    # structure error (each state's identity is in the structure), and the
+    # documented recipe, parameters without the indices, works under every
+    # compiler and keeps each model's own state.
+    model = Model()
+    target = copy.deepcopy(model)
+    both = (eqx.filter(model, eqx.is_array), eqx.filter(target, eqx.is_array))
+    with pytest.raises(ValueError, match="different pytree metadata"):
+        jax.tree.map(lambda a, b: a, *both)
+
+    def polyak(model, target, x):
+        _step(target, x)
+        new = jax.tree.map(lambda a, b: (a + b) / 2, _params(model), _params(target))
+        return eqx.combine(new, target, is_leaf=lambda x: x is None)
+
+    model = eqx.tree_at(lambda m: m.weight, model, jnp.array(4.0))
+    if compiler == "jax.jit":
+        fn = jax.jit(polyak)
+    else:
+        fn = COMPILERS[compiler](polyak)
+    target = fn(model, target, jnp.array(1.0))
+    assert float(target.weight) == 3.0
+    np.testing.assert_array_equal(target.total.unsafe_get(), [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(model.total.unsafe_get(), [0.0, 1.0, 2.0])
+    assert target.total._handle == target.alias._handle != model.total._handle

@@ -78,6 +78,8 @@ EXPECTED = {
     "inference-not-bool",
     # jaxstate.jit
     "passed-and-closed",
+    "mixed-halves",
+    "two-models-one-tree",
     "jit-bad-donate",
     "jit-static-argnums",
     "jit-donate-argnums",

@@ -161,7 +161,11 @@ class _Compiled:
             for treedef, spec in self.key
         ]
         with passed_in(self.passed):
-            out = fun(*args, **kwargs)
+            try:
+                out = fun(*args, **kwargs)
+            except ValueError as e:
+                _explain_mixed_trees(e, proxies)
+                raise
         if any(p.pending is not None for p in proxies):
             self.created = True
         if self.donating and _calls_back(_jax.recorded(top)):
@@ -205,6 +209,27 @@ class _Compiled:
         except _Undonate:
             self.stop_donating()
             return self.jitted(*inputs)
+
+
+def _explain_mixed_trees(e: ValueError, proxies: list[Storage]) -> None:
+    # JAX's "different pytree metadata" error naming a stand-in's key and its real
+    # state's: the function put a passed index and the same index closed over in
+    # one tree (`eqx.combine(params, static)` with `static` closed over).
+    text = str(e)
+    if "metadata" not in text:
+        return
+    for p in proxies:
+        real = p.real
+        if real is not None and f"Key({p.id})" in text and f"Key({real.id})" in text:
+            raise ValueError(
+                "The function puts a StateIndex from its arguments and the same "
+                "StateIndex closed over into one tree (for example "
+                "`eqx.combine(params, static)` with `static` from `eqx.partition` "
+                "closed over). Inside `jaxstate.jit` the states passed in are "
+                "stand-ins for the call, so the two halves no longer match. Pass the "
+                "closed-over part as an argument too (`step(params, static, x)`), or "
+                "close over the whole model. See docs/misuse.md, 'mixed-halves'."
+            ) from e
 
 
 class _JitWrapper:

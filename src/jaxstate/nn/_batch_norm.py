@@ -142,7 +142,9 @@ class BatchNorm(eqx.Module):
         ones = jnp.ones((input_size,), dtype)
         if mode == "ema":
             self.first_time = StateIndex(init=jnp.array(True))
-            self.ema_state = StateIndex(init=(zeros, zeros))
+            # Variance 1, as the other modes: inference before any training is the
+            # identity (Equinox leaves these buffers uninitialised).
+            self.ema_state = StateIndex(init=(zeros, ones))
             self.counter = self.batch_state = None
         else:
             # Mean 0 and variance 1: inference before any training is the
