@@ -199,3 +199,47 @@ def test_ensemble_members_can_be_called_per_example():
     np.testing.assert_allclose(
         ensemble.total.unsafe_get(), ensemble.w * xs.mean(1), rtol=1e-6
     )
+
+
+class _Layer(eqx.Module):
+    weight: jax.Array
+    bn: jaxstate.nn.BatchNorm
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (3, 3)) / 3
+        self.bn = jaxstate.nn.BatchNorm(3, "batch", mode="debiased")
+
+    def __call__(self, x):
+        return self.bn(self.weight @ x)
+
+
+def _scan_over(stacked, xs):
+    params, static = eqx.partition(stacked, eqx.is_array)
+
+    def body(h, p):
+        layer = eqx.combine(p, static)
+        return jax.vmap(layer, axis_name="batch")(h), None
+
+    return lax.scan(body, xs, params)[0]
+
+
+def test_scan_over_layers():
+    # Flax NNX's "scan over layers", ported: a documented limit (README, "Limits";
+    # docs/design.md, "vmap"). The scan slices the parameters, not the state.
+    keys = jax.random.split(jax.random.key(0), 4)
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+    stacked = eqx.filter_vmap(_Layer)(keys)
+    # A batch of another size than the number of layers: an error naming the case.
+    with pytest.raises(RuntimeError, match="stacked with `eqx.filter_vmap`"):
+        _scan_over(stacked, xs)
+    assert stacked.bn.counter.unsafe_get().tolist() == [0, 0, 0, 0]
+    # The same size: no error, but every iteration updates every layer's state
+    # (the batch vmap takes the layers' axis), so each counter counts 4 steps.
+    _scan_over(stacked, xs[:4])
+    assert stacked.bn.counter.unsafe_get().tolist() == [4, 4, 4, 4]
+    # The fix: separate layers, a Python loop. Each layer counts its one step.
+    layers = [_Layer(k) for k in keys]
+    h = xs
+    for layer in layers:
+        h = jax.vmap(layer, axis_name="batch")(h)
+    assert [int(layer.bn.counter.unsafe_get()) for layer in layers] == [1] * 4

@@ -352,7 +352,9 @@ def _copy(storage: Storage, ref) -> jax.Array:
             "gave no new one back. That happens when a function compiled with plain "
             "`jax.jit` or `eqx.filter_jit` fails while running (or is interrupted) "
             "after XLA took the buffers of the references it captured, a limitation "
-            "of JAX's references; `jaxstate.jit` keeps the state in both cases. Set "
-            "the state again (or reload it) before using it."
+            "of JAX's references, which also holds for state a `jaxstate.jit` "
+            "function closes over; `jaxstate.jit` keeps the state passed in its "
+            "arguments in both cases. Set the state again (or reload it) before "
+            "using it."
         )
     return jnp.copy(buf)

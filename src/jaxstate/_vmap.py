@@ -51,6 +51,15 @@ def vmaps_known() -> bool:
     return outermost is None or _jax.traced_for(outermost) not in _CUT
 
 
+# Flax NNX's "scan over layers" ported: layers made by one vmap, run by a scan. The
+# scan slices the layers' arrays but not their state, which has no leaves.
+_SCAN_OVER_LAYERS = (
+    " If these are layers stacked with `eqx.filter_vmap` and run one after another "
+    "with `lax.scan`: a scan cannot hand each iteration its layer's state. Build "
+    "the layers one by one and loop over them in Python (docs/design.md, 'vmap')."
+)
+
+
 def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
     """Checks the enclosing vmaps against a state's batch axes (which belong to the
     outermost vmaps), while tracing, for an early and clear error. The batching
@@ -65,13 +74,14 @@ def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
             f"{_sizes(batch_shape)} and holds one slice per member, but `{fn}` was "
             f"called under {len(sizes)} vmap(s). Use it inside the same vmaps it was "
             "first set under, or call `index.unsafe_get()` outside any transform for "
-            "the whole stacked value."
+            "the whole stacked value." + _SCAN_OVER_LAYERS
         )
     if sizes[:k] != tuple(batch_shape):
         raise RuntimeError(
             f"This state was first set under vmaps of sizes {_sizes(batch_shape)}, but "
             f"`{fn}` was called under vmaps of sizes {_sizes(sizes[:k])}. The batch "
             "sizes must match: vmap over the same number of members."
+            + _SCAN_OVER_LAYERS
         )
 
 
