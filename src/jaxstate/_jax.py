@@ -157,6 +157,15 @@ def buffer_holder(ref: Any) -> Any:
     return ref._refs
 
 
+def is_explicit(sharding: Any) -> bool:
+    """Whether an abstract value's sharding is part of its type (a mesh with an
+    `Explicit` axis, JAX's sharding in types)."""
+    mesh = getattr(sharding, "mesh", None)
+    return any(
+        t == jax.sharding.AxisType.Explicit for t in (mesh.axis_types if mesh else ())
+    )
+
+
 def replace_buffer(ref: Any, buf: Any) -> None:
     """Puts `buf` (perhaps with another sharding) into `ref`, updating its type."""
     aval = _AbstractRef(_core.typeof(buf), ref._aval.memory_space, ref._aval.kind)

@@ -40,6 +40,13 @@ class LocalRef:
         current: Any = self.value if self.ref is None else self.ref
         return current.dtype
 
+    @property
+    def aval(self) -> Any:
+        """The type of the value held (with its sharding, under an explicit mesh)."""
+        if self.ref is None:
+            return _jax.typeof(self.value)
+        return _jax.typeof(self.ref).inner_aval
+
     def _reference(self) -> Any:
         if self.ref is None and _jax.current_trace() is not self.top:
             with _jax.set_current_trace(self.top):

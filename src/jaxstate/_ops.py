@@ -9,7 +9,7 @@ from . import _jax
 from ._create import create, describe_unset, is_set
 from ._flag import flag_value
 from ._index import _check_index, StateIndex
-from ._local import at_top
+from ._local import at_top, LocalRef
 from ._lock import critical, exclusive
 from ._slow import note_reference_path
 from ._storage import check_not_passed_in, resolve, Storage
@@ -92,6 +92,19 @@ def _check_not_in_shard_map(index, storage: Storage, enclosing, fn: str) -> None
         )
 
 
+def _in_layout(value, ref):
+    # A state keeps its sharding (docs/scaling.md). Under an `Explicit` mesh the
+    # sharding is part of the type, and a value of another one (say replicated
+    # `jnp.zeros`) would be refused by JAX's reference, or change the layout of a
+    # `jaxstate.jit` output: move it to the state's layout instead, as an eager
+    # write does.
+    stored = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
+    sharding = stored.sharding
+    if _jax.is_explicit(sharding) and _jax.typeof(value).sharding != sharding:
+        return jax.sharding.reshard(value, sharding)
+    return value
+
+
 def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
     storage = resolve(index._handle)
     check_not_passed_in(storage, fn)
@@ -120,7 +133,7 @@ def _set(index: StateIndex, state: PyTree[ArrayLike], fn: str) -> None:
             for leaf in leaves
         ]
     for ref, value in zip(storage.refs, values, strict=True):
-        ref[...] = value
+        ref[...] = _in_layout(value, ref)
     if storage.pending is not None:
         storage.pending.flag[...] = True
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import _jax
 
@@ -126,8 +127,21 @@ def _check_levels(n_state: int, batch_shape, fn: str) -> None:
 #
 
 
+def _respec(aval, shape: tuple[int, ...], drop: int, add: int):
+    """`aval` with `shape`: `drop` leading axes gone, `add` unsharded ones in front.
+
+    The sharding goes along (under an `Explicit` mesh it is part of the type):
+    without it a sharded state written back from inside `grad` or `vmap` would come
+    out of a compiled step replicated."""
+    spec = tuple(aval.sharding.spec)
+    spec = spec + (None,) * (aval.ndim - len(spec))
+    sharding = aval.sharding.update(spec=P(*((None,) * add + spec[drop:])))
+    return aval.update(shape=shape, sharding=sharding)
+
+
 def _read_abstract_eval(full, *like, batch_shape, n_state):
-    return _jax.ShapedArray(full.shape[len(batch_shape) - n_state :], full.dtype)
+    k = len(batch_shape) - n_state
+    return _respec(full, full.shape[k:], k, 0)
 
 
 def _read_impl(full, *like, batch_shape, n_state):
@@ -180,7 +194,8 @@ def read(value, like, batch_shape: tuple[int, ...]):
 
 def _write_abstract_eval(value, *, batch_shape, levels):
     n_batched = sum(batched for _, batched in levels)
-    return _jax.ShapedArray(tuple(batch_shape) + value.shape[n_batched:], value.dtype)
+    shape = tuple(batch_shape) + value.shape[n_batched:]
+    return _respec(value, shape, n_batched, len(batch_shape))
 
 
 def _write_impl(value, *, batch_shape, levels):
