@@ -210,3 +210,99 @@ def test_equinox_serialisation_includes_the_state():
         is_leaf=jaxstate.is_state_index,
     )
     _assert_same(loaded, trained)
+
+
+class _Lazy(eqx.Module):
+    w: jax.Array
+    last: jaxstate.StateIndex
+
+    def __init__(self):
+        self.w = jnp.ones(2)
+        self.last = jaxstate.StateIndex()  # set on the first call
+
+    def __call__(self, x):
+        jaxstate.set_state(self.last, x)
+        return self.w * x
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_loading_into_a_model_whose_state_is_set_on_its_first_call(tmp_path, strict):
+    # A hostile test found `load` blaming the structure, and `strict=False`
+    # silently dropping the saved state. Now both name the cause and the fix, and
+    # load nothing; after one call the model loads as any other.
+    trained = _Lazy()
+    jaxstate.jit(lambda m, x: m(x))(trained, jnp.array([1.0, 2.0]))
+    trained = eqx.tree_at(lambda m: m.w, trained, jnp.array([3.0, 4.0]))
+    jaxstate.save(tmp_path / "ck.npz", trained)
+    fresh = _Lazy()
+    with pytest.raises(KeyError, match=r"entries \['last'\] are for states .* Build"):
+        jaxstate.load_state_dict(fresh, jaxstate.state_dict(trained), strict=strict)
+    if strict:
+        with pytest.raises(KeyError, match="calling it once on an example input"):
+            jaxstate.load(tmp_path / "ck.npz", fresh)
+    assert not fresh.last.is_set
+    fresh(jnp.zeros(2))
+    loaded = jaxstate.load(tmp_path / "ck.npz", fresh)
+    np.testing.assert_array_equal(loaded.last.unsafe_get(), [1.0, 2.0])
+    np.testing.assert_array_equal(loaded.w, [3.0, 4.0])
+
+
+def test_a_file_of_another_format_names_the_loader(tmp_path):
+    # A hostile test found an `.npz` given to `tree_deserialise_leaves` failing
+    # inside NumPy ("'NpzFile' object has no attribute 'dtype'").
+    bn = jaxstate.nn.BatchNorm(3, "batch", mode="batch")
+    jaxstate.save(tmp_path / "ck.npz", bn)
+    (tmp_path / "junk.eqx").write_text("hello world\n" * 10)
+    before = jaxstate.state_dict(bn)
+    with pytest.raises(ValueError, match="load it with `jaxstate.load`"):
+        jaxstate.tree_deserialise_leaves(tmp_path / "ck.npz", bn)
+    with pytest.raises(ValueError, match="is not a file written by"):
+        jaxstate.tree_deserialise_leaves(tmp_path / "junk.eqx", bn)
+    after = jaxstate.state_dict(bn)
+    assert before.keys() == after.keys()
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, d: jaxstate.save(d / "ck.npz", m),
+        lambda m, d: jaxstate.tree_serialise_leaves(d / "ck.eqx", m),
+        lambda m, d: jaxstate.state_dict(m),
+        lambda m, d: jaxstate.load_state_dict(m, {"count": jnp.array(1)}),
+        lambda m, d: jaxstate.checkpoint_tree(m),
+        lambda m, d: jaxstate.load_checkpoint_tree(m, {}),
+        lambda m, d: jaxstate.load(d / "ck.npz", m),
+        lambda m, d: jaxstate.tree_deserialise_leaves(d / "ck.eqx", m),
+    ],
+    ids=[
+        "save",
+        "tree_serialise_leaves",
+        "state_dict",
+        "load_state_dict",
+        "checkpoint_tree",
+        "load_checkpoint_tree",
+        "load",
+        "tree_deserialise_leaves",
+    ],
+)
+@pytest.mark.parametrize(
+    "transform", [jaxstate.jit, jax.jit, jax.vmap], ids=["jaxstate.jit", "jit", "vmap"]
+)
+def test_checkpoint_functions_inside_a_transform_say_so(tmp_path, call, transform):
+    # A hostile test found JAX's and internal errors here ("is_fully_addressable
+    # ... traced array", "'LocalRef' object has no attribute 'sharding'").
+    model = {"count": jaxstate.StateIndex(init=jnp.array(0))}
+    jaxstate.save(tmp_path / "ck.npz", model)
+    jaxstate.tree_serialise_leaves(tmp_path / "ck.eqx", model)
+    files = sorted(os.listdir(tmp_path))
+
+    def fn(x):
+        call(model, tmp_path)
+        return x
+
+    with pytest.raises(RuntimeError, match="call it outside the compiled step"):
+        transform(fn)(jnp.zeros(1))
+    assert int(model["count"].unsafe_get()) == 0
+    assert sorted(os.listdir(tmp_path)) == files

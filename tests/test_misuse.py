@@ -79,6 +79,7 @@ EXPECTED = {
     # jaxstate.jit
     "passed-and-closed",
     "mixed-halves",
+    "checkpoint-in-transform",
     "two-models-one-tree",
     "jit-bad-donate",
     "jit-static-argnums",

@@ -247,6 +247,17 @@ def get_state(
     return jtu.tree_unflatten(storage.treedef, out)
 
 
+def check_outside(fn: str) -> None:
+    """Refuses a checkpoint function inside a transform: stored values exist only
+    outside them."""
+    if not is_eager():
+        raise RuntimeError(
+            f"`{fn}` reads or writes stored values, which exist only outside jit, "
+            "vmap, grad and other transforms: call it outside the compiled step "
+            "(before or after it). Nothing was read or written."
+        )
+
+
 def _eager_storage(index: StateIndex, fn: str) -> Storage:
     _check_index(index, fn)
     storage = index._handle.get()

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from ._ops import snapshot
+from ._ops import check_outside, snapshot
 from ._state_dict import (
     is_key_dtype,
     key_impl,
@@ -105,6 +105,7 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
     """
     if abstract:
         return _abstract(tree)
+    check_outside("jaxstate.checkpoint_tree")
     out: dict[str, Any] = {}
     for name, array in state_dict(tree).items():
         if _is_empty(array):
@@ -138,6 +139,7 @@ def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
     As [`jaxstate.load_state_dict`][]; a `ValueError` if a PRNG key was saved with
     another implementation than `like` has.
     """
+    check_outside("jaxstate.load_checkpoint_tree")
     if not isinstance(restored, dict):
         raise TypeError(
             "load_checkpoint_tree: `restored` must be the dict restored from a "

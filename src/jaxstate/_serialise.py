@@ -21,7 +21,7 @@ from jaxtyping import PyTree
 
 from ._copy import restore_storage
 from ._index import StateIndex
-from ._ops import commit, snapshot
+from ._ops import check_outside, commit, snapshot
 from ._state_dict import (
     checked,
     is_key_dtype,
@@ -66,6 +66,7 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
         model = jaxstate.load("model.npz", Model(key))  # a freshly built model
         ```
     """
+    check_outside("jaxstate.save")
     path = pathlib.Path(path)
     arrays = {}
     keys = {}
@@ -202,6 +203,7 @@ def load(path: str | pathlib.Path, like: PyTree) -> PyTree:
     unexpected entries, a `ValueError` naming an entry whose shape or dtype
     differs.
     """
+    check_outside("jaxstate.load")
     return load_state_dict(like, _read(path))
 
 
@@ -602,6 +604,7 @@ def tree_serialise_leaves(
         model = jaxstate.tree_deserialise_leaves("model.eqx", Model(key))
         ```
     """
+    check_outside("jaxstate.tree_serialise_leaves")
     storages = _storages(pytree, is_leaf)
     values = dict(zip(storages, snapshot(list(storages.values())), strict=True))
     spec = _wrap(filter_spec, _write_state)
@@ -649,12 +652,18 @@ def tree_deserialise_leaves(
     node holding an index a leaf. Equinox's own check that each loaded leaf has the
     type of `like`'s raises its `RuntimeError`. Nothing is changed on error.
     """
+    check_outside("jaxstate.tree_deserialise_leaves")
     staged: dict[int, tuple[Storage, list]] = {}
     spec = _wrap(filter_spec, _read_state)
     with _reasons("tree_deserialise_leaves"), contextlib.ExitStack() as stack:
         f = path_or_file
         if isinstance(f, (str, pathlib.Path)):
             f = stack.enter_context(open(_with_suffix(f), "rb"))
+        if filter_spec in (
+            deserialise_filter_spec,
+            eqx.default_deserialise_filter_spec,
+        ):
+            _check_format(f)
         stack.enter_context(_calling(_Stream(f, staged=staged)))
         out = eqx.tree_deserialise_leaves(f, like, spec, _combined(is_leaf))
     # Everything was read and Equinox's checks passed: now write every state.
@@ -668,6 +677,27 @@ def tree_deserialise_leaves(
         ]
     )
     return out
+
+
+def _check_format(f) -> None:
+    # Equinox's format is NumPy arrays one after another. Other files would fail
+    # deep inside NumPy with a message about pickles or a missing `dtype`.
+    if not (hasattr(f, "seekable") and f.seekable()):
+        return
+    start = f.tell()
+    head = f.read(6)
+    f.seek(start)
+    if head[:4] == b"PK\x03\x04":
+        raise ValueError(
+            "jaxstate.tree_deserialise_leaves: this is an `.npz` archive, as "
+            "`jaxstate.save` writes: load it with `jaxstate.load`. Nothing was loaded."
+        )
+    if head and head != b"\x93NUMPY":
+        raise ValueError(
+            "jaxstate.tree_deserialise_leaves: this is not a file written by "
+            "`jaxstate.tree_serialise_leaves` or `eqx.tree_serialise_leaves` (those "
+            "begin with a NumPy array). Nothing was loaded."
+        )
 
 
 @contextlib.contextmanager

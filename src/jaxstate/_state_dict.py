@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree
 
 from ._index import StateIndex
-from ._ops import commit, snapshot
+from ._ops import check_outside, commit, snapshot
 from ._storage import Storage
 
 
@@ -128,6 +128,7 @@ def state_dict(tree: PyTree) -> dict[str, Array]:
             print(name, array.shape)
         ```
     """
+    check_outside("jaxstate.state_dict")
     items, states = walk(tree)
     values = dict(
         zip(states, snapshot([e.storage for e in states.values()]), strict=True)
@@ -309,6 +310,21 @@ def _same(a: Any, b: Any) -> bool:
 #
 
 
+def _for_unset(tree, names) -> list[str]:
+    """The names among `names` that belong to an index of `tree` with no state yet
+    (set on the model's first call, say), whose structure is therefore unknown."""
+    unset = [
+        name_of(path)
+        for path, leaf in jtu.tree_flatten_with_path(tree, is_leaf=_is_index)[0]
+        if isinstance(leaf, StateIndex) and leaf._handle.get().refs is None
+    ]
+    return sorted(
+        n
+        for n in names
+        if any(n == u or n.startswith((u + "[", u + ".")) for u in unset)
+    )
+
+
 def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = True):
     """Loads arrays and state from a mapping made by [`jaxstate.state_dict`][] (or
     built by hand, e.g. from another framework's running statistics).
@@ -349,6 +365,7 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
         model = jaxstate.load_state_dict(Model(key), jaxstate.state_dict(trained))
         ```
     """
+    check_outside("jaxstate.load_state_dict")
     fn = "load_state_dict"
     items, states = walk(tree, abstract=True)
     arrays = {item[1]: item[2] for item in items if item[0] == "array"}
@@ -366,6 +383,16 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
             if not any(n in mapping for n in names):
                 missing.append(names[0])
     unexpected = [name for name in mapping if name not in known]
+    unset = _for_unset(tree, unexpected)
+    if unset:
+        # Even with `strict=False`: skipping them would drop saved state silently.
+        raise KeyError(
+            f"{fn}: entries {unset} are for states that this model's indices do not "
+            "hold yet (they are set when the model first runs, so their structure "
+            "is unknown). Build the model with its state first, for example by "
+            "calling it once on an example input (or giving those indices "
+            "`init=`), then load. Nothing was loaded."
+        )
     if strict and (missing or unexpected):
         raise KeyError(
             f"{fn}: missing entries {sorted(missing)}, unexpected entries "
