@@ -177,3 +177,63 @@ def test_partition_with_the_static_half_closed_over_names_the_fix():
     with pytest.raises(ValueError, match="Pass the closed-over part as an argument"):
         jaxstate.jit(step)(params, jnp.ones(2))
     assert int(model.count.unsafe_get()) == 1
+
+
+def test_lowering_a_function_that_may_fail_at_run_time():
+    # A hostile test found `.lower()` leaking jaxstate's internal `_Undonate` when
+    # the function holds a host callback (`eqx.error_if`) and nothing ran before.
+    index = jaxstate.StateIndex(init=jnp.array(0.0))
+
+    def step(i, x):
+        jaxstate.set_state(i, jaxstate.get_state(i) + x)
+        return eqx.error_if(x, x < 0, "negative")
+
+    f = jaxstate.jit(step)
+    lowered = f.lower(index, jnp.array(1.0))
+    assert "func" in lowered.as_text()
+    lowered.compile()(index, jnp.array(1.0))
+    f(index, jnp.array(1.0))
+    assert float(index.unsafe_get()) == 2.0
+
+
+def test_lowering_a_first_set_never_writes_another_model():
+    # A hostile test found the program lowered for `a` (whose trace gave `a` its
+    # first value) reused for `b`: `a` got b's value and `b` stayed unset.
+    def init(i, x):
+        jaxstate.set_state(i, x)
+
+    a, b = jaxstate.StateIndex(), jaxstate.StateIndex()
+    f = jaxstate.jit(init)
+    compiled = f.lower(a, jnp.array(1.0)).compile()
+    f(b, jnp.array(2.0))
+    assert float(b.unsafe_get()) == 2.0
+    with pytest.raises(RuntimeError, match="before it has been set"):
+        a.unsafe_get()
+    c = jaxstate.StateIndex()
+    with pytest.raises(TypeError, match="gives a state its first value"):
+        compiled(c, jnp.array(3.0))
+    assert not c.is_set
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["reads", "writes"])
+def test_passed_and_closed_is_refused_after_another_model_compiled(write):
+    # A hostile test found the documented refusal skipped when the program came
+    # from the cache (traced for `a`), and XLA's "donate the same buffer twice".
+    a = jaxstate.StateIndex(init=jnp.array(1.0))
+    b = jaxstate.StateIndex(init=jnp.array(10.0))
+
+    def step(i):
+        total = jaxstate.get_state(i) + jaxstate.get_state(b)
+        if write:
+            jaxstate.set_state(b, total)
+        return total
+
+    f = jaxstate.jit(step)
+    for _ in range(3):  # the slow path, then the fast path
+        f(a)
+    before = 13.0 if write else 10.0  # 1 + 10, 1 + 11, 1 + 12 with writes
+    assert float(b.unsafe_get()) == before
+    with pytest.raises(RuntimeError, match="also passed in the arguments"):
+        f(b)
+    assert float(b.unsafe_get()) == before
+    assert float(f(a)) == 1.0 + before  # and the function still serves `a`

@@ -32,7 +32,7 @@ from . import _jax
 from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart, Part, Plan
 from ._local import LocalRef
 from ._lock import give, take
-from ._storage import Handle, passed_in, Storage
+from ._storage import Handle, passed_and_closed, passed_in, Storage
 from ._vmap import is_eager
 
 
@@ -118,6 +118,8 @@ class _Compiled:
         # Set when a trace gave a state its first value: the program then writes
         # that state's own references, so it serves no other model.
         self.created = False
+        # The states the function reached through closed-over indices.
+        self.closed: frozenset[int] = frozenset()
 
     @property
     def passed(self) -> list[Storage]:
@@ -160,12 +162,15 @@ class _Compiled:
             jtu.tree_unflatten(treedef, _rebuild(spec, it, handles))
             for treedef, spec in self.key
         ]
-        with passed_in(self.passed):
+        with passed_in(self.passed) as closed:
             try:
                 out = fun(*args, **kwargs)
             except ValueError as e:
                 _explain_mixed_trees(e, proxies)
                 raise
+        # Another model of this structure may be the one closed over: refused at
+        # call time, as the trace refused this one (see `_JitWrapper.__call__`).
+        self.closed = frozenset(closed)
         if any(p.pending is not None for p in proxies):
             self.created = True
         if self.donating and _calls_back(_jax.recorded(top)):
@@ -345,6 +350,8 @@ class _JitWrapper:
         else:
             arrays, call = matched
             compiled, n_first = plan.compiled, plan.n_first
+        if compiled.closed and any(s.id in compiled.closed for s in call.storages):
+            raise passed_and_closed("jaxstate.jit")
         kept, donated = self._split(arrays, n_first)
         ids, impls, tracing = call.ids, call.impls, compiled._tracing
         # No other thread may read or donate these states' buffers until this
@@ -414,9 +421,19 @@ class _JitWrapper:
         compiled.passed = call.storages
         try:
             bufs = list(map(_get_buf, call.impls))
-            lowered = compiled.jitted.lower(kept, donated, bufs, None)
+            try:
+                lowered = compiled.jitted.lower(kept, donated, bufs, None)
+            except _Undonate:  # as in `_run`: a program that may fail at run time
+                compiled.stop_donating()
+                lowered = compiled.jitted.lower(kept, donated, bufs, None)
         finally:
             compiled.passed = []
+        if compiled.created:
+            # The trace gave a state its first value: the program writes that
+            # state's references, so later calls must not find it (as after a run).
+            with self.lock:
+                self._forget(compiled, call)
+                self.memo.plan = None
         return Lowered(self, compiled, lowered)
 
     def __get__(self, instance, owner):
@@ -453,6 +470,13 @@ class AotCompiled:
         wrapper = self._wrapper
         with wrapper.lock:
             compiled, call, arrays = wrapper._prepare(args, kwargs)
+        if compiled is not self._compiled and self._compiled.created:
+            raise TypeError(
+                "This compiled function gives a state its first value (a "
+                "`set_state` on an index that had none), so it belongs to the model "
+                "it was lowered for and cannot run. Call `jaxstate.jit(f)` itself, "
+                "or give the state a value before lowering."
+            )
         if compiled is not self._compiled:
             raise TypeError(
                 "This compiled function was lowered for arguments of another "

@@ -224,13 +224,17 @@ _tracing = threading.local()
 
 
 @contextlib.contextmanager
-def passed_in(storages: Sequence[Storage]) -> Iterator[None]:
-    previous = getattr(_tracing, "ids", None)
-    _tracing.ids = (previous or frozenset()) | {s.id for s in storages}
+def passed_in(storages: Sequence[Storage]) -> Iterator[set[int]]:
+    """While a `jaxstate.jit` function is traced with `storages` passed in. Yields
+    the set of the states it reaches through closed-over indices, filled in as it
+    runs: a later call passing one of those must be refused too."""
+    previous = getattr(_tracing, "ids", None), getattr(_tracing, "closed", None)
+    _tracing.ids = (previous[0] or frozenset()) | {s.id for s in storages}
+    _tracing.closed = closed = set()
     try:
-        yield
+        yield closed
     finally:
-        _tracing.ids = previous
+        _tracing.ids, _tracing.closed = previous
 
 
 def in_jaxstate_jit() -> bool:
@@ -240,12 +244,19 @@ def in_jaxstate_jit() -> bool:
 
 def check_not_passed_in(storage: Storage, fn: str) -> None:
     if storage.id in (getattr(_tracing, "ids", None) or ()):
-        raise RuntimeError(
-            f"`{fn}` reached a state that is also passed in the arguments of the "
-            "enclosing `jaxstate.jit` function, through an index the function closes "
-            "over. The two paths would see different copies; pass the model as an "
-            "argument only (or only close over it)."
-        )
+        raise passed_and_closed(fn)
+    closed = getattr(_tracing, "closed", None)
+    if closed is not None and storage.real is None:
+        closed.add(storage.id)
+
+
+def passed_and_closed(fn: str) -> RuntimeError:
+    return RuntimeError(
+        f"`{fn}` reached a state that is also passed in the arguments of the "
+        "enclosing `jaxstate.jit` function, through an index the function closes "
+        "over. The two paths would see different copies; pass the model as an "
+        "argument only (or only close over it)."
+    )
 
 
 #
