@@ -45,7 +45,18 @@ def _flatten_arrays(tree, fn: str, what: str):
                 f"`{what}` passed to `{fn}` must be a PyTree of arrays, but it has a "
                 f"leaf of type {type(leaf).__name__} ({leaf!r:.60}), which {problem}."
             )
-    return leaves, treedef
+    return [_canonical(leaf) for leaf in leaves], treedef
+
+
+def _canonical(leaf):
+    # A NumPy float64 or int64 becomes float32 or int32 on the device without x64:
+    # check and record it as such, or `get_state(i) + 1` would not fit the state
+    # that `init=np.zeros(3)` made.
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        dtype = jax.dtypes.canonicalize_dtype(leaf.dtype)
+        if dtype != leaf.dtype:
+            return np.asarray(leaf, dtype)
+    return leaf
 
 
 def _aval_text(shape, dtype) -> str:
@@ -341,6 +352,13 @@ def commit(items: list[tuple[Storage, list]]) -> None:
     """
     new = []
     for storage, leaves in items:
+        if storage.real is None and any(isinstance(x, _jax.Tracer) for x in leaves):
+            raise RuntimeError(
+                "A value to store is a traced value (a tracer) of a jit, vmap, grad "
+                "or other transform that is not running here: it leaked out of that "
+                "transform. Return the value from the transform and store it "
+                "outside, or call `jaxstate.set_state` inside it. Nothing was written."
+            )
         if storage.real is not None:
             # A stand-in inside a compiled function that JAX runs eagerly (as
             # `jax_debug_nans` does to find a NaN): its references are local.

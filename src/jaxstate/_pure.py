@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from ._index import StateIndex
-from ._ops import commit, snapshot
+from ._ops import check_outside, commit, snapshot
 from ._storage import redirected, Storage
 
 
@@ -156,6 +156,7 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
     storages = _indices(tree)
 
     def fun(*args, **kwargs):
+        check_outside("the function made by `jaxstate.from_pure`")
         out, new_state = pure_fun(_values(storages), *args, **kwargs)
         # Check every state before writing any, then write them all at once.
         commit(_checked_state(storages, new_state))

@@ -23,11 +23,11 @@ from ._copy import restore_storage
 from ._index import StateIndex
 from ._ops import check_outside, commit, snapshot
 from ._state_dict import (
+    _load_state_dict,
     checked,
     is_key_dtype,
     key_impl,
     leaf_paths,
-    load_state_dict,
     place,
     state_dict,
     text,
@@ -204,7 +204,7 @@ def load(path: str | pathlib.Path, like: PyTree) -> PyTree:
     differs.
     """
     check_outside("jaxstate.load")
-    return load_state_dict(like, _read(path))
+    return _load_state_dict(like, _read(path), True, "load")
 
 
 #

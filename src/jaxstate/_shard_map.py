@@ -19,6 +19,7 @@ from jaxtyping import PyTree
 from . import _jax
 from ._jit import jit
 from ._lock import critical, exclusive
+from ._ops import check_outside
 from ._pure import _indices, run_with_state
 from ._vmap import is_eager
 
@@ -139,6 +140,7 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
     A copy of `tree` with its arrays placed; its state (shared with `tree`) is
     placed too.
     """
+    check_outside("jaxstate.device_put")
     storages = list(_indices(tree).values())
     with critical(), exclusive(storages):
         for storage in storages:

@@ -229,9 +229,15 @@ def checked(name: str, value: Any, shape: tuple, dtype, fn: str) -> Any:
             f"shape {shape}."
         )
     if value.dtype != dtype:
+        fix = (
+            f"Build `like` with {value.dtype} there (a file written with another "
+            "`jax_enable_x64` setting holds other default dtypes)."
+            if fn == "load"
+            else f"Cast it first, e.g. `x.astype('{dtype}')`."
+        )
         raise ValueError(
             f"{fn}: entry {name!r} has dtype {value.dtype}, but the model has dtype "
-            f"{dtype}. Cast it first, e.g. `x.astype('{dtype}')`."
+            f"{dtype}. {fix}"
         )
     return value
 
@@ -366,7 +372,10 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
         ```
     """
     check_outside("jaxstate.load_state_dict")
-    fn = "load_state_dict"
+    return _load_state_dict(tree, mapping, strict, "load_state_dict")
+
+
+def _load_state_dict(tree: PyTree, mapping: dict[str, Any], strict: bool, fn: str):
     items, states = walk(tree, abstract=True)
     arrays = {item[1]: item[2] for item in items if item[0] == "array"}
     known = set(arrays)
