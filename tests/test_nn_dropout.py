@@ -402,3 +402,29 @@ def test_stream_unchanged_after_failed_calls():
     np.testing.assert_array_equal(
         np.asarray(layer(_x())), _eqx(_x(), _call_key(jax.random.key(0), 0), 0.5)
     )
+
+
+def test_an_unnamed_inner_vmap_is_refused_not_given_one_mask():
+    # A hostile test found every token of an example getting the same mask: the
+    # layer is named for the examples' vmap, and a second, unnamed vmap over tokens
+    # drew one key for all of them.
+    drop = jaxstate.nn.Dropout(0.5, key=jax.random.key(0), axis_name="batch")
+    x = jnp.ones((2, 3, 16))  # (example, token, feature)
+    per_token = lambda x: jax.vmap(drop)(x)  # noqa: E731
+    with pytest.raises(RuntimeError, match="does not name"):
+        jax.vmap(per_token, axis_name="batch")(x)
+    assert int(drop.rng.count) == 0
+    # Naming both vmaps gives every token its own mask.
+    both = jaxstate.nn.Dropout(0.5, key=jax.random.key(0), axis_name=("batch", "tok"))
+    out = jax.vmap(lambda x: jax.vmap(both, axis_name="tok")(x), axis_name="batch")(x)
+    masks = np.asarray(out != 0).reshape(6, 16)
+    assert len({m.tobytes() for m in masks}) == 6
+
+    # Sharing a mask on purpose: one key drawn outside the tokens' vmap.
+    def shared(x):
+        key = drop.rng(axis_name="batch")
+        return jax.vmap(lambda t: drop(t, key=key))(x)
+
+    out = jax.vmap(shared, axis_name="batch")(x)
+    assert (np.asarray(out[0, 0]) == np.asarray(out[0, 1])).all()
+    assert not (np.asarray(out[0, 0]) == np.asarray(out[1, 0])).all()

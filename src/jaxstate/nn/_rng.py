@@ -11,6 +11,7 @@ from ._util import (
     AxisName,
     check_axis_name,
     check_can_create,
+    extra_vmaps,
     read,
     writable,
     write,
@@ -123,6 +124,18 @@ class RNGStream(eqx.Module):
             "RNGStream.next",
             "every member of that vmap would get the same key.",
         )
+        names = () if axis_name is None else axis_names(axis_name)
+        unnamed = extra_vmaps(self.state) - len(names)
+        if unnamed > 0:
+            raise RuntimeError(
+                "`RNGStream.next` (which `jaxstate.nn.Dropout` calls) was called "
+                f"under {unnamed} vmap(s) that its state was not created under and "
+                f"that `axis_name={axis_name!r}` does not name: every member of those "
+                "would get the same key (the same dropout mask). Name each such vmap "
+                'and pass every name, e.g. `axis_name=("batch", "token")`. To '
+                "share one key across a vmap on purpose, draw it outside that vmap "
+                "and pass it in (`dropout(x, key=key)`)."
+            )
         key_data, counter = get_state(self.state)
         key = jax.random.fold_in(
             jax.random.wrap_key_data(key_data, impl=self.impl), counter
