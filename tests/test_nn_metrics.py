@@ -269,3 +269,17 @@ def test_epoch_loop_with_loss_and_accuracy():
         )
         loss_mean.reset()
         acc.reset()
+
+
+def test_values_that_would_be_silently_cast_are_refused(wrong_type_raises):
+    # A hostile test found `Counter.increment(0.7)` truncated to 0 and complex
+    # values losing their imaginary part in `Mean.update`.
+    counter, mean = jaxstate.nn.Counter(), jaxstate.nn.Mean()
+    counter.increment(2)
+    mean.update(jnp.array([1.0, 3.0]))
+    with wrong_type_raises(TypeError, match="counts whole numbers"):
+        counter.increment(0.7)
+    with pytest.raises(TypeError, match="imaginary part would be dropped"):
+        mean.update(jnp.array([1 + 2j, 3 + 4j]))
+    assert int(counter.value()) == 2
+    assert float(mean.compute()) == 2.0

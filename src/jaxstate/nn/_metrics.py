@@ -68,7 +68,8 @@ class Counter(eqx.Module):
 
         **Raises:**
 
-        `ValueError` if `n` is not a scalar; `RuntimeError` under a vmap the counter
+        `TypeError` if `n` is not an integer (or bool); `ValueError` if `n` is not
+        a scalar; `RuntimeError` under a vmap the counter
         was not created under, without `axis_name`. The count is unchanged after an
         error.
         """
@@ -77,6 +78,12 @@ class Counter(eqx.Module):
             raise ValueError(
                 f"Counter.increment takes a scalar, got shape {n.shape}. To count the "
                 "elements of an array, pass `x.size` (or `jnp.sum(mask)`)."
+            )
+        if not (jnp.issubdtype(n.dtype, jnp.integer) or n.dtype == jnp.bool_):
+            raise TypeError(
+                f"Counter.increment counts whole numbers, got {n.dtype} (it would be "
+                "truncated). Pass an int, or keep fractional totals with "
+                "`jaxstate.nn.Mean`."
             )
         check_axis_name(self.count, axis_name, "Counter.increment", _VMAP_FIX)
         count = get_state(self.count)
@@ -170,11 +177,18 @@ class Mean(eqx.Module):
 
         **Raises:**
 
-        `ValueError` if `weight` does not broadcast to the shape of `values`;
-        `RuntimeError` under a vmap the mean was not created under, without
+        `TypeError` for complex `values` or `weight`; `ValueError` if `weight`
+        does not broadcast to the shape of `values`; `RuntimeError` under a vmap
+        the mean was not created under, without
         `axis_name`. The sums are unchanged after an error.
         """
         total, weight_sum = get_state(self.totals)
+        for name, v in (("values", values), ("weight", weight)):
+            if v is not None and jnp.iscomplexobj(v):
+                raise TypeError(
+                    f"Mean.update got complex `{name}`; its sums are real, so the "
+                    "imaginary part would be dropped. Pass `jnp.abs(x)` or `x.real`."
+                )
         values = jnp.asarray(values, total.dtype)
         if weight is None:
             weight = jnp.ones((), total.dtype)
