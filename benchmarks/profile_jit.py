@@ -113,6 +113,8 @@ def _timed_call(wrapper, args: tuple, spent: list[float]) -> Any:
         raise RuntimeError("the step does not take jaxstate.jit's fast path")
     arrays, call = matched
     compiled = plan.compiled
+    if compiled.closed and any(s.id in compiled.closed for s in call.storages):
+        raise RuntimeError("the step passes a state its function closes over")
     kept, donated = wrapper._split(arrays, plan.n_first)
     ids, impls = call.ids, call.impls
     t1 = pc()
