@@ -483,6 +483,8 @@ class AotCompiled:
                 "structure (or other static values). Call `jaxstate.jit(f)` itself, "
                 "which compiles for each structure, or lower it again for these."
             )
+        if compiled.closed and any(s.id in compiled.closed for s in call.storages):
+            raise passed_and_closed("jaxstate.jit")
         kept, donated = wrapper._split(arrays, call.n_first)
         ids, impls = call.ids, call.impls
         opened = take(ids)
