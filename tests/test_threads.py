@@ -59,3 +59,46 @@ def test_threads_mixing_eager_and_compiled_updates():
     for t in threads:
         t.join()
     assert count.unsafe_get() == 801
+
+
+_CALLBACK_READS_ITS_STATE = """
+import jax, jax.numpy as jnp, equinox as eqx, jaxstate
+n = 1500  # big enough that XLA runs the callback on a thread of its own
+class M(eqx.Module):
+    c: jaxstate.StateIndex
+m = M(jaxstate.StateIndex(init=jnp.zeros((n, n))))
+def cb(x):
+    jaxstate.get_state(m.c)
+@jaxstate.jit
+def step(m):
+    v = jaxstate.get_state(m.c) + 1
+    jax.debug.callback(cb, v[0, 0])
+    jaxstate.set_state(m.c, v)
+warm = jaxstate.jit(lambda m: jaxstate.set_state(m.c, jaxstate.get_state(m.c) * 0.0))
+warm(m); warm(m)  # work queued on the state (asynchronous dispatch)
+try:
+    step(m)
+except Exception as e:
+    assert "from a host callback inside it" in str(e), e
+else:
+    raise AssertionError("no error")
+assert float(m.c.unsafe_get()[0, 0]) == 0.0  # the failed step changed nothing
+print("refused")
+"""
+
+
+def test_a_host_callback_reading_its_own_call_state_is_refused_not_deadlocked():
+    # A hostile test found a hang: with XLA running the callback on its own thread,
+    # the callback waited for the call's states and the call for the callback. Run
+    # in a subprocess, so that a regression fails (timeout) instead of hanging.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _CALLBACK_READS_ITS_STATE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused" in result.stdout

@@ -29,6 +29,7 @@ _cond = threading.Condition(_lock)
 _busy: dict[int, int] = {}
 _waiting = 0  # threads waiting in `_wait_free`
 _get_ident = threading.get_ident
+_DummyThread = threading._DummyThread  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _wait_free(ids: Iterable[int]) -> None:
@@ -39,12 +40,17 @@ def _wait_free(ids: Iterable[int]) -> None:
         owners = [_busy[i] for i in ids if i in _busy]
         if not owners:
             return
-        if me in owners:
+        # A thread Python did not start is XLA's, running a host callback of a
+        # call: most likely the very call holding the state, which cannot finish
+        # before the callback does. Waiting would deadlock (a hostile test found
+        # it), so it is refused as the same thread is.
+        if me in owners or isinstance(threading.current_thread(), _DummyThread):
             raise RuntimeError(
-                "A state used by a `jaxstate.jit` call was reached again from the "
-                "same thread while that call was running (for example from a host "
-                "callback inside it). Read or write it outside the compiled "
-                "function, or pass it in and return what you need."
+                "A state used by a `jaxstate.jit` call was reached while that call "
+                "was running, from the same thread or from a host callback inside "
+                "it (`jax.debug.callback`, `pure_callback`). Read or write it "
+                "outside the compiled function, or pass it in and return what you "
+                "need."
             )
         _waiting += 1
         try:
