@@ -102,3 +102,43 @@ def test_a_host_callback_reading_its_own_call_state_is_refused_not_deadlocked():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused" in result.stdout
+
+
+_FINALISER_READS_STATE = """
+import gc, jax.numpy as jnp, equinox as eqx, jaxstate
+class M(eqx.Module):
+    c: jaxstate.StateIndex
+other, m = M(jaxstate.StateIndex(init=jnp.zeros(3))), M(jaxstate.StateIndex(init=jnp.ones(3)))
+seen = []
+class Finaliser:
+    def __init__(self):
+        self.me = self  # a cycle: freed by whichever collection comes next
+    def __del__(self):
+        seen.append(other.c.unsafe_get())  # (more JAX work here can crash jaxlib)
+for threshold in range(2, 200):  # collections land at different places
+    gc.collect()
+    gc.set_threshold(threshold)
+    Finaliser()
+    assert float(jaxstate.state_dict(m)["c"][0]) == 1.0
+assert seen and all(float(x[0]) == 0.0 for x in seen), seen
+print("finished")
+"""
+
+
+def test_a_finaliser_using_state_inside_jaxstate_does_not_deadlock():
+    # A hostile test found a self-deadlock: the garbage collector ran a `__del__`
+    # that read state while `state_dict` held jaxstate's lock in the same thread.
+    # (The same with `set_state` in the loop can crash inside jaxlib's garbage
+    # collection, also without jaxstate: a finaliser copying an array while a
+    # reference's buffer is swapped. Not tested here.)
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _FINALISER_READS_STATE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished" in result.stdout

@@ -30,11 +30,33 @@ _busy: dict[int, int] = {}
 _waiting = 0  # threads waiting in `_wait_free`
 _get_ident = threading.get_ident
 _DummyThread = threading._DummyThread  # pyright: ignore[reportAttributeAccessIssue]
+# The thread holding `_lock`. The garbage collector may run a finaliser (`__del__`,
+# a weakref callback) inside one of our sections, in the same thread; one that uses
+# jaxstate must neither block on the lock (a deadlock a hostile test found) nor
+# release it: it runs inside the section (`nested`).
+_holder: int | None = None
 
 
-def _wait_free(ids: Iterable[int]) -> None:
-    # Called with `_lock` held.
-    global _waiting
+def _acquire(me: int) -> bool:
+    """Takes `_lock`, unless this thread holds it already; says whether it did."""
+    global _holder
+    if _holder == me:
+        return False
+    _lock.acquire()
+    _holder = me
+    return True
+
+
+def _release(acquired: bool) -> None:
+    global _holder
+    if acquired:
+        _holder = None
+        _lock.release()
+
+
+def _wait_free(ids: Iterable[int], nested: bool) -> None:
+    # Called with `_lock` held (by an enclosing section of this thread if `nested`).
+    global _waiting, _holder
     me = _get_ident()
     while True:
         owners = [_busy[i] for i in ids if i in _busy]
@@ -52,10 +74,20 @@ def _wait_free(ids: Iterable[int]) -> None:
                 "outside the compiled function, or pass it in and return what you "
                 "need."
             )
+        if nested:
+            # Waiting would release the lock under the enclosing section.
+            raise RuntimeError(
+                "jaxstate was used from a finaliser (`__del__` or a weakref "
+                "callback) that the garbage collector ran inside jaxstate, while a "
+                "state it needs is in use by a `jaxstate.jit` call of another "
+                "thread. Do not read or write state in finalisers."
+            )
         _waiting += 1
+        _holder = None
         try:
             _cond.wait()
         finally:
+            _holder = me
             _waiting -= 1
 
 
@@ -64,10 +96,13 @@ def exclusive(storages: Iterable[Any]) -> Iterator[None]:
     """Holds the lock, once none of `storages` is checked out: for short eager
     reads and writes of their buffers."""
     ids = [s.id for s in storages]
-    with _lock:
+    acquired = _acquire(_get_ident())
+    try:
         if _busy:
-            _wait_free(ids)
+            _wait_free(ids, not acquired)
         yield
+    finally:
+        _release(acquired)
 
 
 def take(ids: list[int]) -> bool:
@@ -79,12 +114,15 @@ def take(ids: list[int]) -> bool:
     """
     opened = enter_critical()
     try:
-        with _lock:
+        me = _get_ident()
+        acquired = _acquire(me)
+        try:
             if _busy:
-                _wait_free(ids)
-            me = _get_ident()
+                _wait_free(ids, not acquired)
             for i in ids:
                 _busy[i] = me
+        finally:
+            _release(acquired)
     except BaseException:
         exit_critical(opened)
         raise
@@ -94,11 +132,14 @@ def take(ids: list[int]) -> bool:
 def give(ids: list[int], opened: bool) -> None:
     """Undoes `take`: the states are free again, then the section closes (raising
     an interrupt that came during it)."""
-    with _lock:
+    acquired = _acquire(_get_ident())
+    try:
         for i in ids:
             del _busy[i]
         if _waiting:
             _cond.notify_all()
+    finally:
+        _release(acquired)
     if opened:
         exit_critical(opened)
 
