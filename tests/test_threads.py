@@ -108,7 +108,8 @@ _FINALISER_READS_STATE = """
 import gc, jax.numpy as jnp, equinox as eqx, jaxstate
 class M(eqx.Module):
     c: jaxstate.StateIndex
-other, m = M(jaxstate.StateIndex(init=jnp.zeros(3))), M(jaxstate.StateIndex(init=jnp.ones(3)))
+other = M(jaxstate.StateIndex(init=jnp.zeros(3)))
+m = M(jaxstate.StateIndex(init=jnp.ones(3)))
 seen = []
 class Finaliser:
     def __init__(self):
