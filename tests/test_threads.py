@@ -91,17 +91,20 @@ def test_a_host_callback_reading_its_own_call_state_is_refused_not_deadlocked():
     # A hostile test found a hang: with XLA running the callback on its own thread,
     # the callback waited for the call's states and the call for the callback. Run
     # in a subprocess, so that a regression fails (timeout) instead of hanging.
+    _run_alone(_CALLBACK_READS_ITS_STATE, "refused")
+
+
+def _run_alone(script: str, last_words: str) -> None:
+    """Runs `script` in a fresh Python, which must print `last_words` within two
+    minutes (a deadlock there fails this test rather than hanging the suite)."""
     import subprocess
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-c", _CALLBACK_READS_ITS_STATE],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "refused" in result.stdout
+    assert last_words in result.stdout
 
 
 _FINALISER_READS_STATE = """
@@ -132,14 +135,4 @@ def test_a_finaliser_using_state_inside_jaxstate_does_not_deadlock():
     # (The same with `set_state` in the loop can crash inside jaxlib's garbage
     # collection, also without jaxstate: a finaliser copying an array while a
     # reference's buffer is swapped. Not tested here.)
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", _FINALISER_READS_STATE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "finished" in result.stdout
+    _run_alone(_FINALISER_READS_STATE, "finished")
