@@ -411,6 +411,21 @@ def test_known_limit_cond_with_state_in_a_scan_under_grad(transform):
         assert jax.linearize(loss, 1.0)[1](1.0) == 4.0
 
 
+def _cell(raw: bool, init: float, kind: str | None = None):
+    """`(get, put, value)` of one float32 state: a jaxstate index, or (`raw`) a
+    plain `jax.Ref` of `kind`, to show that a known limit is JAX's own."""
+    if raw:
+        ref = jax.new_ref(jnp.float32(init), **({} if kind is None else {"kind": kind}))
+
+        def put(x):
+            ref[...] = x
+
+        return (lambda: ref[...]), put, (lambda: ref[...])
+    index = jaxstate.StateIndex(init=jnp.float32(init))
+    get = lambda: jaxstate.get_state(index)
+    return get, (lambda x: jaxstate.set_state(index, x)), index.unsafe_get
+
+
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
@@ -420,19 +435,7 @@ def test_known_limit_cond_with_state_in_a_scan_under_grad(transform):
 )
 @pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
 def test_known_limit_linearize_of_a_while_loop_with_state(raw):
-    if raw:
-        ref = jax.new_ref(jnp.float32(0.0), kind="no_grad_no_remat")
-        get = lambda: ref[...]
-
-        def put(x):
-            ref[...] = x
-
-        value = lambda: ref[...]
-    else:
-        index = jaxstate.StateIndex(init=jnp.float32(0.0))
-        get = lambda: jaxstate.get_state(index)
-        put = lambda x: jaxstate.set_state(index, x)
-        value = index.unsafe_get
+    get, put, value = _cell(raw, 0.0, kind="no_grad_no_remat")
 
     def f(p):
         def body(carry):
@@ -459,22 +462,12 @@ def test_known_limit_linearize_of_a_while_loop_with_state(raw):
 )
 @pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
 def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
-    if raw:
-        ref = jax.new_ref(jnp.float32(0.0), kind="no_grad_no_remat")
-
-        def put(x):
-            ref[...] = lax.stop_gradient(x)
-
-        value = lambda: ref[...]
-    else:
-        index = jaxstate.StateIndex(init=jnp.float32(0.0))
-        put = lambda x: jaxstate.set_state(index, x)
-        value = index.unsafe_get
+    _, put, value = _cell(raw, 0.0, kind="no_grad_no_remat")
 
     def checkpointed(p, x):
         @jax.custom_vjp
         def f(p):
-            put(2.0 * p)
+            put(lax.stop_gradient(2.0 * p))  # as `set_state` does
             return p * x  # `x` is a tracer of the checkpointed function
 
         f.defvjp(lambda p: (f(p), None), lambda _, ct: (ct,))
@@ -497,12 +490,7 @@ def test_known_limit_custom_vjp_closing_over_a_tracer_under_remat(raw):
 def test_known_limit_custom_vjp_in_a_cond_under_grad(raw, branch):
     # Found by the nightly profile: Case(eager, stack=[grad, switch(1, static),
     # custom_vjp], program=[get(a)]).
-    if raw:
-        ref = jax.new_ref(jnp.float32(3.0))
-        read = lambda: ref[...]
-    else:
-        index = jaxstate.StateIndex(init=jnp.float32(3.0))
-        read = lambda: jaxstate.get_state(index)
+    read, _, _ = _cell(raw, 3.0)
 
     @jax.custom_vjp
     def f(p):
@@ -526,21 +514,11 @@ def test_known_limit_custom_vjp_in_a_cond_under_grad(raw, branch):
 )
 @pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
 def test_known_limit_custom_vjp_writing_in_a_loop_under_grad(raw):
-    if raw:
-        ref = jax.new_ref(jnp.float32(0.0))
-
-        def add_one():
-            ref[...] = ref[...] + 1.0
-
-        value = lambda: ref[...]
-    else:
-        index = jaxstate.StateIndex(init=jnp.float32(0.0))
-        add_one = lambda: jaxstate.set_state(index, jaxstate.get_state(index) + 1.0)
-        value = index.unsafe_get
+    get, put, value = _cell(raw, 0.0)
 
     @jax.custom_vjp
     def f(p):
-        add_one()
+        put(get() + 1.0)
         return 2.0 * p
 
     f.defvjp(lambda p: (f(p), None), lambda _, ct: (2.0 * ct,))
