@@ -102,7 +102,7 @@ def _n_modules(treedef) -> int:
 def _timed_call(wrapper, args: tuple, spent: list[float]) -> Any:
     """`wrapper(*args)` on its fast path, as `_JitWrapper.__call__` runs it, adding
     the time of each stage (see `STAGES`) to `spent`."""
-    from jaxstate import _jit as J, _lock as L
+    from jaxstate._core import _lock as L
 
     pc = time.perf_counter
     t0 = pc()
@@ -121,7 +121,7 @@ def _timed_call(wrapper, args: tuple, spent: list[float]) -> Any:
     opened = L.take(ids)
     try:
         t2 = pc()
-        bufs = list(map(J._get_buf, impls))
+        bufs = [impl._buf for impl in impls]
         t3 = pc()
         out_arrays, static, new_bufs = compiled.jitted(kept, donated, bufs, None)
         t4 = pc()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate import _state_dict
+from jaxstate._checkpoint import _state_dict
 
 
 class Model(eqx.Module):

@@ -150,7 +150,7 @@ def test_interrupted_eager_writes_lose_nothing():
 
 
 def test_an_interrupt_inside_a_critical_section_is_raised_at_its_end():
-    from jaxstate._lock import critical
+    from jaxstate._core._lock import critical
 
     done = []
     with pytest.raises(KeyboardInterrupt):
@@ -170,7 +170,7 @@ def test_an_interrupt_inside_a_critical_section_is_raised_at_its_end():
 def test_an_interrupt_in_another_thread_section_is_not_held_back():
     # Sections are per thread: a section open in a worker does not defer the main
     # thread's interrupt.
-    from jaxstate._lock import critical
+    from jaxstate._core._lock import critical
 
     inside, leave = threading.Event(), threading.Event()
 
@@ -195,7 +195,7 @@ def test_an_interrupt_in_another_thread_section_is_not_held_back():
 def test_an_interrupt_right_after_the_checkout_leaves_nothing_in_use(monkeypatch):
     # The interrupt lands as the states are marked in use by the call (the moment
     # a CI run once hit): it waits for the end of the call, and the marks are gone.
-    import jaxstate._jit as jit_module
+    import jaxstate._jit._wrapper as jit_module
 
     take = jit_module.take
 

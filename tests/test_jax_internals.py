@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxstate import _jax, _patches
+from jaxstate import _jax
+from jaxstate._core import _patches
 
 
 def _seen(probe):

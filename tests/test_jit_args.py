@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate import _jit_args
-from jaxstate._index import with_inference
+from jaxstate._core._index import with_inference
+from jaxstate._jit import _args as _jit_args
 
 
 class Two(eqx.Module):

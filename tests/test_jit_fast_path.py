@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate import _jit_args
+from jaxstate._jit import _args as _jit_args
 
 
 class Counter(eqx.Module):

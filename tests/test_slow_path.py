@@ -23,7 +23,7 @@ def _bump(index):
 def _warnings_on(monkeypatch):
     # The suite ignores the warning (pyproject.toml); here it is the subject. Each
     # test starts with no function warned about yet.
-    import jaxstate._slow as slow
+    import jaxstate._core._slow as slow
 
     monkeypatch.setattr(slow, "_warned", set())
     with warnings.catch_warnings():

@@ -10,6 +10,7 @@ moving to a newer JAX is this file's work (and that test's).
 Nothing outside this file imports from `jax._src`.
 """
 
+import operator
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,9 +153,33 @@ def axis_size(axis_data: Any) -> int:
 #
 
 
+def buffer(ref: Any) -> Any:
+    """The array a concrete reference holds (not a copy)."""
+    return ref._refs._buf
+
+
+def set_buffer(ref: Any, buf: Any) -> None:
+    """Makes a concrete reference hold `buf` (of the same type)."""
+    ref._refs._buf = buf
+
+
 def buffer_holder(ref: Any) -> Any:
-    """The object holding a reference's buffer, as `holder._buf`."""
+    """The object inside a reference that holds its buffer: `jaxstate.jit` keeps
+    these, and reads and swaps many buffers at once with `holder_buffers` and
+    `set_holder_buffers` (a reference's own indexing is a dispatch)."""
     return ref._refs
+
+
+_get_buf = operator.attrgetter("_buf")
+
+
+def holder_buffers(holders: list) -> list:
+    return list(map(_get_buf, holders))
+
+
+def set_holder_buffers(holders: list, bufs: list) -> None:
+    for holder, buf in zip(holders, bufs, strict=True):
+        holder._buf = buf
 
 
 def is_explicit(sharding: Any) -> bool:
@@ -196,6 +221,11 @@ def recorded(trace: Any) -> Iterator[tuple[Any, dict]]:
             if eqn is None:
                 continue
         yield eqn.primitive, eqn.params
+
+
+def checkify_predicates(error: Any) -> list:
+    """The predicates of a `checkify.Error` (one per check; set where it failed)."""
+    return list(error._pred.values())
 
 
 def debugging_nans() -> bool:

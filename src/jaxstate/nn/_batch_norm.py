@@ -8,9 +8,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._flag import flag_value, to_flag
-from .._index import StateIndex
-from .._ops import get_state, set_state
+from .._core._flag import flag_value, to_flag
+from .._core._index import StateIndex
+from .._core._ops import get_state, set_state
 from ._util import (
     axis_names,
     default_float,

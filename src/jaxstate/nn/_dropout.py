@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
-from .._flag import flag_value, to_flag
+from .._core._flag import flag_value, to_flag
 from ._rng import RNGStream
 from ._util import AxisName, extra_vmaps
 

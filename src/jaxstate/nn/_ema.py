@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from .._index import StateIndex
-from .._ops import get_state, set_state
+from .._core._index import StateIndex
+from .._core._ops import get_state, set_state
 from ._util import default_float, read
 
 

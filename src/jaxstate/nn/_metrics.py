@@ -4,8 +4,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
-from .._index import StateIndex
-from .._ops import get_state, set_state
+from .._core._index import StateIndex
+from .._core._ops import get_state, set_state
 from ._util import AxisName, check_axis_name, default_float, read, writable, write
 
 

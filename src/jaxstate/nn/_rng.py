@@ -4,8 +4,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
-from .._index import StateIndex
-from .._ops import get_state, set_state
+from .._core._index import StateIndex
+from .._core._ops import get_state, set_state
 from ._util import (
     axis_names,
     AxisName,

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .._flag import flag_value, to_flag
-from .._index import StateIndex
-from .._ops import get_state, set_state
+from .._core._flag import flag_value, to_flag
+from .._core._index import StateIndex
+from .._core._ops import get_state, set_state
 from ._util import writable
 
 

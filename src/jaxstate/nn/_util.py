@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import jaxtyping
 from jaxtyping import PyTree
 
-from .._flag import flag_value
-from .._index import StateIndex, with_inference
-from .._ops import get_state, set_state
-from .._storage import resolve
-from .._vmap import is_eager, only_eager_vmaps, vmap_sizes
+from .._core._context import resolve
+from .._core._flag import flag_value
+from .._core._index import StateIndex, with_inference
+from .._core._ops import get_state, set_state
+from .._core._vmap import is_eager, only_eager_vmaps, vmap_sizes
 
 
 AxisName = Hashable | Sequence[Hashable]

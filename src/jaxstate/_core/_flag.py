@@ -5,7 +5,7 @@ from typing import Any
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _jax
+from .. import _jax
 
 
 class Flag:

@@ -19,9 +19,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree
 
-from ._index import StateIndex
-from ._ops import check_outside, commit, snapshot
-from ._storage import Storage
+from .._core._buffers import commit, snapshot
+from .._core._checks import check_outside
+from .._core._index import StateIndex
+from .._core._storage import Storage
 
 
 def _is_index(x) -> bool:
@@ -372,10 +373,10 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
         ```
     """
     check_outside("jaxstate.load_state_dict")
-    return _load_state_dict(tree, mapping, strict, "load_state_dict")
+    return load_mapping(tree, mapping, strict, "load_state_dict")
 
 
-def _load_state_dict(tree: PyTree, mapping: dict[str, Any], strict: bool, fn: str):
+def load_mapping(tree: PyTree, mapping: dict[str, Any], strict: bool, fn: str):
     items, states = walk(tree, abstract=True)
     arrays = {item[1]: item[2] for item in items if item[0] == "array"}
     known = set(arrays)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.lax as lax
 
-from . import _jax
+from .. import _jax
 
 
 class LocalRef:

@@ -26,11 +26,10 @@ import jax
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _jax
-from ._create import is_set
-from ._flag import Flag
-from ._index import StateIndex
-from ._storage import Handle, Storage
+from .. import _jax
+from .._core._flag import Flag
+from .._core._index import StateIndex
+from .._core._storage import Handle, is_set, Storage
 
 
 ARRAY = object()

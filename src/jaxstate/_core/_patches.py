@@ -7,7 +7,7 @@ does its own per-member slicing (see `_vmap.py` and docs/design.md, "vmap").
 
 import jax.lax as lax
 
-from . import _jax
+from .. import _jax
 
 
 #

@@ -1,12 +1,12 @@
 from typing import Any, Generic, TypeVar
 
 import equinox as eqx
-import jax
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._access import read_stacked, write, write_stacked
 from ._flag import Flag, flag_value, to_flag
-from ._storage import Handle
+from ._storage import Handle, is_set
 
 
 _T = TypeVar("_T")
@@ -80,15 +80,11 @@ class StateIndex(eqx.Module, Generic[_T]):
         self._handle = Handle.new()
         self.inference = inference
         if init is not None:
-            from ._ops import _set
-
-            _set(self, init, "StateIndex(init=...)")
+            write(self._handle, init, "StateIndex(init=...)")
 
     @property
     def is_set(self) -> bool:
         """Whether any state has been stored under this index yet."""
-        from ._create import is_set
-
         return is_set(self._handle.get())
 
     def unsafe_get(self) -> PyTree[Array]:
@@ -101,9 +97,7 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         A `RuntimeError` if no state has been set, or if called inside a transform.
         """
-        from ._ops import get_stacked
-
-        return get_stacked(self)
+        return read_stacked(self._handle, "StateIndex.unsafe_get")
 
     def unsafe_set(self, value: PyTree[ArrayLike]) -> None:
         """Replaces the whole stored value, with any vmap batch axes in front.
@@ -118,9 +112,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         included) or a dtype differs from the stored state. On error nothing is
         written.
         """
-        from ._ops import set_stacked
-
-        set_stacked(self, value)
+        write_stacked(self._handle, value, "StateIndex.unsafe_set")
 
     def __repr__(self) -> str:
         storage = self._handle.storage
@@ -143,7 +135,7 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     return new
 
 
-def _check_index(index: Any, fn: str) -> None:
+def check_index(index: Any, fn: str) -> None:
     if not isinstance(index, StateIndex):
         raise TypeError(
             f"`{fn}` expects a `jaxstate.StateIndex` as its first argument, got "
@@ -151,4 +143,13 @@ def _check_index(index: Any, fn: str) -> None:
         )
 
 
-del jax
+def is_state_index(x: Any) -> bool:
+    """Whether `x` is a [`jaxstate.StateIndex`][]; for `is_leaf=` arguments.
+
+    !!! example
+
+        ```python
+        params = eqx.filter(model, eqx.is_array, is_leaf=jaxstate.is_state_index)
+        ```
+    """
+    return isinstance(x, StateIndex)

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.experimental import checkify
 
-from . import _jax
-from ._jit_args import ARRAY, Call, is_slot, Memo, OutPart, Part, Plan
-from ._local import LocalRef
-from ._lock import give, take
-from ._storage import Handle, passed_and_closed, passed_in, Storage
-from ._vmap import is_eager
+from .. import _jax
+from .._core._context import passed_and_closed, passed_in
+from .._core._local import LocalRef
+from .._core._lock import give, take
+from .._core._storage import Handle, Storage
+from ._args import ARRAY, Call, is_slot, Memo, OutPart, Part, Plan
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -62,9 +62,6 @@ def _rebuild(spec, arrays, handles) -> list:
     ]
 
 
-_get_buf = operator.attrgetter("_buf")
-
-
 def _checkify_failed(out) -> Any:
     """Whether any `checkify` error returned by the function is set, or `None` if
     it returns none."""
@@ -73,7 +70,7 @@ def _checkify_failed(out) -> Any:
         for x in jtu.tree_leaves(out, is_leaf=lambda x: isinstance(x, checkify.Error))
         if isinstance(x, checkify.Error)
     ]
-    preds = [jnp.any(p) for e in errors for p in e._pred.values()]
+    preds = [jnp.any(p) for e in errors for p in _jax.checkify_predicates(e)]
     return jnp.any(jnp.stack(preds)) if preds else None
 
 
@@ -337,7 +334,7 @@ class _JitWrapper:
         return arrays[:n_first], arrays[n_first:]
 
     def __call__(self, *args, **kwargs):
-        if not is_eager():
+        if not _jax.is_eager():
             # Inside another transform: just trace through, like nested jits.
             return self.fun(*args, **kwargs)
         memo = self.memo
@@ -358,7 +355,7 @@ class _JitWrapper:
         # call has put the new ones back; an interrupt waits until then too.
         opened = take(ids)
         try:
-            inputs = (kept, donated, list(map(_get_buf, impls)), None)
+            inputs = (kept, donated, _jax.holder_buffers(impls), None)
             # What a trace, if JAX starts one, needs to know (see `_inner`).
             tracing.storages = call.storages
             try:
@@ -373,8 +370,7 @@ class _JitWrapper:
             finally:
                 tracing.storages = ()
             out_arrays, static, new_bufs = out
-            for impl, buf in zip(impls, new_bufs, strict=True):
-                impl._buf = buf
+            _jax.set_holder_buffers(impls, new_bufs)
         finally:
             give(ids, opened)
         return self._rebuild_outputs(compiled, call, out_arrays, static)
@@ -420,7 +416,7 @@ class _JitWrapper:
         kept, donated = self._split(arrays, call.n_first)
         compiled.passed = call.storages
         try:
-            bufs = list(map(_get_buf, call.impls))
+            bufs = _jax.holder_buffers(call.impls)
             try:
                 lowered = compiled.jitted.lower(kept, donated, bufs, None)
             except _Undonate:  # as in `_run`: a program that may fail at run time
@@ -489,10 +485,9 @@ class AotCompiled:
         ids, impls = call.ids, call.impls
         opened = take(ids)
         try:
-            inputs = (kept, donated, list(map(_get_buf, impls)), None)
+            inputs = (kept, donated, _jax.holder_buffers(impls), None)
             out_arrays, static, new_bufs = self._executable(*inputs)
-            for impl, buf in zip(impls, new_bufs, strict=True):
-                impl._buf = buf
+            _jax.set_holder_buffers(impls, new_bufs)
         finally:
             give(ids, opened)
         return wrapper._rebuild_outputs(compiled, call, out_arrays, static)

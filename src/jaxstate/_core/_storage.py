@@ -10,17 +10,17 @@ only weak references. Every live `Handle` keeps its storage alive; the storage d
 with the last copy of its index. See docs/design.md, "Lifetime".
 """
 
-import contextlib
 import copy
 import itertools
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 
-from . import _jax
+from .. import _jax
+from ._buffers import new_ref, snapshot
+from ._context import root_trace
 
 
 _ids = itertools.count()
@@ -105,16 +105,16 @@ class Storage:
 
     # `copy.deepcopy` and `pickle` of a model give it an independent state holding
     # the current values, as a deep copy of a PyTorch module copies its buffers
-    # (`copy.copy` shares it, as every other copy of a model does): `_copy.py`.
+    # (`copy.copy` shares it, as every other copy of a model does). Indices that
+    # share a state share one state in the copy (deepcopy's memo; pickle pickles
+    # the storage once).
     def __deepcopy__(self, memo) -> "Storage":
-        from ._copy import copy_storage
-
-        return copy_storage(self)
+        _check_eager("`copy.deepcopy` of")
+        return _restore(_payload(self))
 
     def __reduce__(self):
-        from ._copy import reduce_storage
-
-        return reduce_storage(self)
+        _check_eager("Pickling")
+        return _restore, (_payload(self),)
 
     def describe(self) -> str:
         if self.refs is None:
@@ -126,6 +126,78 @@ class Storage:
         if self.batch_shape:
             text += f" with vmap batch axes of sizes {self.batch_shape}"
         return text
+
+
+class Pending:
+    """A state first set inside a trace whose program has not been seen to run
+    (see `_create.py`)."""
+
+    __slots__ = ("flag", "root")
+
+    def __init__(self, flag: Any, root: Any):
+        self.flag = flag  # a `jax.Ref` of a bool, written `True` by the program
+        self.root = weakref.ref(root)  # the trace that created the state
+
+
+def is_set(storage: Storage) -> bool:
+    """Whether `storage` holds state, settling a pending one: the trace that
+    created it sees it as set; everything else reads the flag its program writes
+    (waiting, once, for that program if it was dispatched)."""
+    if storage.refs is None:
+        return False
+    pending = storage.pending
+    if pending is None:
+        return True
+    root = pending.root()
+    if root is not None and root.is_valid() and root is root_trace():
+        return True
+    if bool(_jax.buffer(pending.flag)):
+        storage.pending = None
+        return True
+    return False
+
+
+def describe_unset(storage: Storage) -> str:
+    """Why an index has no state, for error messages."""
+    if storage.refs is not None:
+        return (
+            " It was first set inside a traced function that has not run since, or "
+            "only in a branch that did not run, or the trace was only abstract "
+            "(`jax.eval_shape`, `make_jaxpr`) or failed."
+        )
+    return ""
+
+
+def _check_eager(what: str) -> None:
+    if not _jax.is_eager():
+        raise RuntimeError(
+            f"{what} a model holding state copies the state's current values, which "
+            "exist only outside jit, vmap, grad and other transforms. Copy the model "
+            "outside them and pass the copy in."
+        )
+
+
+def _payload(storage: Storage) -> Any:
+    if not is_set(storage):
+        return None
+    (values,) = snapshot([storage])
+    return storage.treedef, storage.member_avals, storage.batch_shape, values
+
+
+def _restore(payload: Any) -> Storage:
+    return Storage() if payload is None else holding(*payload)
+
+
+def holding(treedef, avals, batch_shape, values: list) -> Storage:
+    """A new storage holding copies of `values` (stacked, already checked)."""
+    storage = Storage()
+    with _jax.set_current_trace(_jax.eval_trace()):
+        refs = tuple(new_ref(jax.numpy.asarray(v)) for v in values)
+    storage.treedef = treedef
+    storage.member_avals = tuple(avals)
+    storage.batch_shape = tuple(batch_shape)
+    storage.refs = refs
+    return storage
 
 
 class Key:
@@ -212,71 +284,3 @@ def _flatten(handle: Handle):
 
 
 jtu.register_pytree_node(Handle, _flatten, lambda key, _: Handle(key, key.take()))
-
-
-#
-# While `jaxstate.jit` traces, the states passed in its arguments are replaced by
-# stand-ins (proxies) holding local references. Reaching one of those states through
-# another path (an index the function closes over) would read and write a different
-# copy, so it is refused.
-#
-_tracing = threading.local()
-
-
-@contextlib.contextmanager
-def passed_in(storages: Sequence[Storage]) -> Iterator[set[int]]:
-    """While a `jaxstate.jit` function is traced with `storages` passed in. Yields
-    the set of the states it reaches through closed-over indices, filled in as it
-    runs: a later call passing one of those must be refused too."""
-    previous = getattr(_tracing, "ids", None), getattr(_tracing, "closed", None)
-    _tracing.ids = (previous[0] or frozenset()) | {s.id for s in storages}
-    _tracing.closed = closed = set()
-    try:
-        yield closed
-    finally:
-        _tracing.ids, _tracing.closed = previous
-
-
-def in_jaxstate_jit() -> bool:
-    """Whether a `jaxstate.jit` function is being traced."""
-    return getattr(_tracing, "ids", None) is not None
-
-
-def check_not_passed_in(storage: Storage, fn: str) -> None:
-    if storage.id in (getattr(_tracing, "ids", None) or ()):
-        raise passed_and_closed(fn)
-    closed = getattr(_tracing, "closed", None)
-    if closed is not None and storage.real is None:
-        closed.add(storage.id)
-
-
-def passed_and_closed(fn: str) -> RuntimeError:
-    return RuntimeError(
-        f"`{fn}` reached a state that is also passed in the arguments of the "
-        "enclosing `jaxstate.jit` function, through an index the function closes "
-        "over. The two paths would see different copies; pass the model as an "
-        "argument only (or only close over it)."
-    )
-
-
-#
-# While a pure function made by `jaxstate.to_pure` runs, the states it owns are
-# replaced by stand-ins holding the values passed in; `resolve` finds them.
-#
-@contextlib.contextmanager
-def redirected(mapping: dict[int, Storage]) -> Iterator[None]:
-    previous = getattr(_tracing, "redirect", None)
-    _tracing.redirect = {**(previous or {}), **mapping}
-    try:
-        yield
-    finally:
-        _tracing.redirect = previous
-
-
-def resolve(handle: Handle) -> Storage:
-    """The storage an index reads and writes right now."""
-    storage = handle.get()
-    redirect = getattr(_tracing, "redirect", None)
-    if redirect:
-        return redirect.get(storage.id, storage)
-    return storage

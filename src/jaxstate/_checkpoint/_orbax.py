@@ -13,7 +13,8 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from ._ops import check_outside, snapshot
+from .._core._buffers import snapshot
+from .._core._checks import check_outside
 from ._state_dict import (
     is_key_dtype,
     key_impl,

@@ -19,21 +19,21 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._copy import restore_storage
-from ._index import StateIndex
-from ._ops import check_outside, commit, snapshot
+from .._core._buffers import commit, snapshot
+from .._core._checks import check_outside
+from .._core._index import is_state_index, StateIndex
+from .._core._storage import Handle, holding, Storage
 from ._state_dict import (
-    _load_state_dict,
     checked,
     is_key_dtype,
     key_impl,
     leaf_paths,
+    load_mapping,
     place,
     state_dict,
     text,
     to_host,
 )
-from ._storage import Handle, Storage
 
 
 #
@@ -204,7 +204,7 @@ def load(path: str | pathlib.Path, like: PyTree) -> PyTree:
     differs.
     """
     check_outside("jaxstate.load")
-    return _load_state_dict(like, _read(path), True, "load")
+    return load_mapping(like, _read(path), True, "load")
 
 
 #
@@ -217,11 +217,6 @@ def load(path: str | pathlib.Path, like: PyTree) -> PyTree:
 #
 
 _TAG = '{"jaxstate":'
-
-
-def is_state_index(x: Any) -> bool:
-    """Whether `x` is a [`jaxstate.StateIndex`][]; for `is_leaf=` arguments."""
-    return isinstance(x, StateIndex)
 
 
 def _numpy_names(dtype) -> bool:
@@ -435,9 +430,7 @@ def _fresh_index(index: StateIndex, storage: Storage, leaves: list) -> StateInde
         jax.device_put(leaf, ref.sharding)
         for leaf, ref in zip(leaves, storage.refs or (), strict=True)
     ]
-    new = restore_storage(
-        (storage.treedef, storage.member_avals, storage.batch_shape, placed)
-    )
+    new = holding(storage.treedef, storage.member_avals, storage.batch_shape, placed)
     return eqx.tree_at(lambda i: i._handle, index, Handle.of(new))
 
 

@@ -16,12 +16,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from . import _jax
-from ._jit import jit
-from ._lock import critical, exclusive
-from ._ops import check_outside
-from ._pure import _indices, run_with_state
-from ._vmap import is_eager
+from .. import _jax
+from .._core._checks import check_outside
+from .._core._lock import critical, exclusive
+from .._jit._wrapper import jit
+from ._pure import run_with_state, states_of
 
 
 _REPLICATED = P()
@@ -78,7 +77,7 @@ def shard_map(
     kwargs.setdefault("check_vma", False)
 
     def mapped(*args):
-        storages = _indices(args)
+        storages = states_of(args)
         state = {
             name: jtu.tree_unflatten(s.treedef, [r[...] for r in s.refs or ()])
             for name, s in storages.items()
@@ -111,7 +110,7 @@ def shard_map(
 
     def call(*args):
         nonlocal compiled
-        if not is_eager():
+        if not _jax.is_eager():
             return mapped(*args)
         # JAX's eager `shard_map` cannot hold references in its body: compile the
         # call, as `jaxstate.jit(jaxstate.shard_map(...))` would.
@@ -141,13 +140,13 @@ def device_put(tree: PyTree, sharding: Any) -> PyTree:
     placed too.
     """
     check_outside("jaxstate.device_put")
-    storages = list(_indices(tree).values())
+    storages = list(states_of(tree).values())
     with critical(), exclusive(storages):
         for storage in storages:
             for ref in storage.refs or ():
                 # In place, so that every holder of this reference sees the move;
                 # the reference's type carries the sharding, so it moves too.
-                buf = _place(_jax.buffer_holder(ref)._buf, sharding)
+                buf = _place(_jax.buffer(ref), sharding)
                 _jax.replace_buffer(ref, buf)
     return jtu.tree_map(lambda x: _place(x, sharding) if eqx.is_array(x) else x, tree)
 

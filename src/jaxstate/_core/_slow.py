@@ -10,11 +10,15 @@ for each such function. Silence it with
 See docs/performance.md.
 """
 
+import os
+import sys
 import warnings
 
-from . import _jax
-from ._create import root_trace
-from ._storage import in_jaxstate_jit
+import equinox as eqx
+import jax
+
+from .. import _jax
+from ._context import in_jaxstate_jit, root_trace
 
 
 class SlowPathWarning(UserWarning):
@@ -26,10 +30,32 @@ class SlowPathWarning(UserWarning):
 _warned: set[str] = set()
 
 
-def note_reference_path(storage, stacklevel: int) -> None:
+# Frames of these packages lie between the user's call of a compiled function and
+# the function's own code (jaxstate's `jit` among them).
+_INTERNAL = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (jax.__file__ or "", eqx.__file__ or "", os.path.dirname(__file__))
+)
+
+
+def call_site_stacklevel() -> int:
+    """The `stacklevel`, for a `warnings.warn` in the caller, of the user's line
+    that called the compiled function being traced: the frame just outside the
+    outermost run of JAX's, Equinox's and jaxstate's own frames."""
+    frames = []
+    frame = sys._getframe(2)  # the warner's caller: stacklevel 2
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].f_code.co_filename.startswith(_INTERNAL):
+            return i + 3
+    return 2
+
+
+def note_reference_path(storage) -> None:
     """Called while tracing a read or write that goes through `storage`'s own
-    references (not a `jaxstate.jit` argument); `stacklevel` frames up is the
-    user's call."""
+    references (not a `jaxstate.jit` argument)."""
     root = root_trace()
     if root is None or _jax.traced_for(root) != "jit":
         return
@@ -61,5 +87,5 @@ def note_reference_path(storage, stacklevel: int) -> None:
         f"more per call). {fix} Silence this with `warnings.filterwarnings("
         '"ignore", category=jaxstate.SlowPathWarning)`.',
         SlowPathWarning,
-        stacklevel=stacklevel + 1,
+        stacklevel=call_site_stacklevel(),
     )

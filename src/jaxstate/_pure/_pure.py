@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._index import StateIndex
-from ._ops import check_outside, commit, snapshot
-from ._storage import redirected, Storage
+from .._core._buffers import commit, snapshot
+from .._core._checks import check_outside
+from .._core._context import redirected
+from .._core._index import StateIndex
+from .._core._storage import Storage
 
 
-def _indices(tree) -> dict[str, Storage]:
+def states_of(tree) -> dict[str, Storage]:
     """The distinct states reachable from `tree`, by the path of their first index."""
     out: dict[str, Storage] = {}
     seen: set[int] = set()
@@ -123,7 +125,7 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
         out, state = exported.call(state, x)
         ```
     """
-    storages = _indices(tree)
+    storages = states_of(tree)
 
     def pure_fun(state: dict[str, PyTree], *args, **kwargs) -> tuple[Any, dict]:
         return run_with_state(storages, state, fun, args, kwargs)
@@ -153,7 +155,7 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
     The function raises `ValueError` if `pure_fun` returns a state that does not
     fit; then nothing is written.
     """
-    storages = _indices(tree)
+    storages = states_of(tree)
 
     def fun(*args, **kwargs):
         check_outside("the function made by `jaxstate.from_pure`")

@@ -19,63 +19,14 @@ else settles it first (`is_set`), by reading the flag, and treats it as unset wh
 the flag is `False`. See docs/design.md, "First set inside a trace".
 """
 
-import weakref
-from typing import Any
-
-import jax
 import jax.numpy as jnp
 
-from . import _jax
+from .. import _jax
+from ._buffers import new_ref
+from ._context import root_trace
 from ._lock import critical, exclusive
-from ._storage import Storage
+from ._storage import is_set, Pending, Storage
 from ._vmap import only_eager_vmaps, stack_eager, traced_for, vmap_sizes
-
-
-class Pending:
-    """A state first set inside a trace whose program has not been seen to run."""
-
-    __slots__ = ("flag", "root")
-
-    def __init__(self, flag: Any, root: Any):
-        self.flag = flag  # a `jax.Ref` of a bool, written `True` by the program
-        self.root = weakref.ref(root)  # the trace that created the state
-
-
-def root_trace() -> Any:
-    """The outermost trace that is not eager code: the compiled function (or eager
-    vmap) being traced; `None` when eager."""
-    root = None
-    for trace in _jax.enclosing_traces():
-        if not _jax.is_eval_trace(trace):
-            root = trace
-    return root
-
-
-def new_ref(value) -> jax.Ref:
-    """A reference owning a fresh buffer holding `value` (concrete)."""
-    value = jnp.array(value, copy=True)
-    # Strongly typed and committed, like every buffer a compiled call returns: so
-    # the first `jaxstate.jit` call and later ones share one compilation.
-    value = jax.lax.convert_element_type(value, value.dtype)
-    value = jax.device_put(value, value.sharding)
-    return jax.new_ref(value, kind="no_grad_no_remat")
-
-
-def is_set(storage: Storage) -> bool:
-    """Whether `storage` holds state, settling a pending one (see above)."""
-    if storage.refs is None:
-        return False
-    pending = storage.pending
-    if pending is None:
-        return True
-    root = pending.root()
-    if root is not None and root.is_valid() and root is root_trace():
-        return True
-    # Blocks until the program that writes the flag (if dispatched) has run.
-    if bool(_jax.buffer_holder(pending.flag)._buf):
-        storage.pending = None
-        return True
-    return False
 
 
 def _matches(storage: Storage, treedef, avals, batch_shape) -> bool:
@@ -117,7 +68,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
                 values = [new_ref(x) for x in stacked]
                 with critical(), exclusive([target]):
                     for ref, value in zip(target.refs or (), values, strict=True):
-                        _jax.buffer_holder(ref)._buf = _jax.buffer_holder(value)._buf
+                        _jax.set_buffer(ref, _jax.buffer(value))
                     target.pending = None
                 return True
             refs = tuple(new_ref(x) for x in stacked)
@@ -163,14 +114,3 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
         # A stand-in inside `jaxstate.jit`: it writes the real references directly.
         _install(storage, refs, treedef, avals, batch_shape, pending)
     return False
-
-
-def describe_unset(storage: Storage) -> str:
-    """Why an index has no state, for error messages."""
-    if storage.refs is not None:
-        return (
-            " It was first set inside a traced function that has not run since, or "
-            "only in a branch that did not run, or the trace was only abstract "
-            "(`jax.eval_shape`, `make_jaxpr`) or failed."
-        )
-    return ""

@@ -18,7 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from . import _jax
+from .. import _jax
 
 
 def _sizes(levels: Sequence) -> str:

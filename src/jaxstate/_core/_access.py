@@ -1,0 +1,162 @@
+"""Reading and writing one state, wherever the call happens: eagerly (a snapshot or
+a commit of its buffers), at the top level of a `jaxstate.jit` trace (a plain
+value), or inside any other trace (through its references and the vmap
+primitives). `get_state`/`set_state` and `StateIndex`'s methods are thin layers over
+these; they take the index's `Handle`.
+"""
+
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from .. import _jax
+from ._buffers import commit, snapshot
+from ._checks import array_leaves, check_fits
+from ._context import check_not_passed_in, resolve
+from ._create import create
+from ._local import at_top, LocalRef
+from ._slow import note_reference_path
+from ._storage import describe_unset, Handle, is_set, Storage
+from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
+
+
+_IN_SHARD_MAP = (
+    "`{fn}` reached state from inside a `shard_map` (or `pmap`, which is built on "
+    "it) body that did not receive it: JAX's references cannot cross into the "
+    "body. Pass the model holding the state as an argument of "
+    "`jaxstate.shard_map(f, ..., state_specs=...)`, which hands the state in and "
+    "writes it back, or make the function pure with `jaxstate.to_pure` and `pmap` "
+    "that."
+)
+
+_IN_WHILE_COND = (
+    "`get_state` was called in the condition of a `lax.while_loop`. JAX's loop "
+    "keeps a separate copy of state read there, so the condition would never see "
+    "the body's writes and the loop could run forever. Use `jaxstate.while_loop` "
+    "(same signature), which evaluates the condition inside the loop body, or read "
+    "the state in the body and carry the predicate."
+)
+
+
+def _not_set(storage: Storage) -> RuntimeError:
+    return RuntimeError(
+        "Cannot get state before it has been set: call "
+        "`jaxstate.set_state(index, value)` first (e.g. in the model's "
+        "`__init__`), or create the index with `StateIndex(init=value)`."
+        + describe_unset(storage)
+    )
+
+
+def _check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
+    """Checks a read or write through the state's references; returns what the
+    enclosing traces were made for."""
+    enclosing = traced_for()
+    # Inside `jaxstate.shard_map` the storage is redirected to one made inside the
+    # body; anything else would be a reference from outside it.
+    if "shard_map" in enclosing and storage is handle.get():
+        raise RuntimeError(_IN_SHARD_MAP.format(fn=fn))
+    if storage.real is None:
+        # Past this function and `get_state`/`set_state` is the user's code.
+        note_reference_path(storage)
+    return enclosing
+
+
+def _in_layout(value, ref):
+    # A state keeps its sharding (docs/scaling.md). Under an `Explicit` mesh the
+    # sharding is part of the type, and a value of another one (say replicated
+    # `jnp.zeros`) would be refused by JAX's reference, or change the layout of a
+    # `jaxstate.jit` output: move it to the state's layout instead, as an eager
+    # write does.
+    stored = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
+    sharding = stored.sharding
+    if _jax.is_explicit(sharding) and _jax.typeof(value).sharding != sharding:
+        return jax.sharding.reshard(value, sharding)
+    return value
+
+
+def write(handle: Handle, state: Any, fn: str) -> None:
+    """Stores `state` (one vmap member's value) as the state of `handle`."""
+    storage = resolve(handle)
+    check_not_passed_in(storage, fn)
+    leaves, treedef = array_leaves(state, fn, "state")
+    if not is_set(storage) and create(storage, leaves, treedef, fn):
+        return
+    check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
+    assert storage.refs is not None
+    check_vmaps(storage.batch_shape, fn)
+    if _jax.is_eager():
+        commit([(storage, leaves)])
+        return
+    if at_top(storage):
+        # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
+        values = [jnp.asarray(leaf) for leaf in leaves]
+    else:
+        _check_traced(handle, storage, fn)
+        # Build every stacked value before writing any, so that a failure leaves
+        # the stored state untouched.
+        values = [
+            write_member(lax.stop_gradient(jnp.asarray(leaf)), storage.batch_shape)
+            for leaf in leaves
+        ]
+    for ref, value in zip(storage.refs, values, strict=True):
+        ref[...] = _in_layout(value, ref)
+    if storage.pending is not None:
+        storage.pending.flag[...] = True
+
+
+def read(handle: Handle, like: Any, fn: str) -> Any:
+    """The state of `handle` as one vmap member sees it, checked against `like`."""
+    storage = resolve(handle)
+    check_not_passed_in(storage, fn)
+    if not is_set(storage):
+        raise _not_set(storage)
+    assert storage.refs is not None
+    like_leaves = None
+    if like is not None:
+        like_leaves, treedef = array_leaves(like, fn, "like")
+        check_fits(storage, like_leaves, treedef, f"`like` passed to `{fn}`")
+    check_vmaps(storage.batch_shape, fn)
+    if _jax.is_eager():
+        (values,) = snapshot([storage])
+        return jtu.tree_unflatten(storage.treedef, values)
+    if at_top(storage):
+        return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
+    if "while_cond" in _check_traced(handle, storage, fn):
+        raise RuntimeError(_IN_WHILE_COND)
+    likes = like_leaves or [None] * len(storage.refs)
+    out = [
+        lax.stop_gradient(read_member(ref[...], like, storage.batch_shape))
+        for ref, like in zip(storage.refs, likes, strict=True)
+    ]
+    return jtu.tree_unflatten(storage.treedef, out)
+
+
+def _eager_storage(handle: Handle, fn: str) -> Storage:
+    storage = handle.get()
+    if not is_set(storage):
+        raise _not_set(storage)
+    if not _jax.is_eager():
+        raise RuntimeError(
+            f"`{fn}` reads or writes the stored value directly and only works "
+            "outside jit/vmap/grad; inside them use `jaxstate.get_state` and "
+            "`jaxstate.set_state`."
+        )
+    return storage
+
+
+def read_stacked(handle: Handle, fn: str) -> Any:
+    """The whole stored value, batch axes first (eagerly only)."""
+    storage = _eager_storage(handle, fn)
+    (values,) = snapshot([storage])
+    return jtu.tree_unflatten(storage.treedef, values)
+
+
+def write_stacked(handle: Handle, value: Any, fn: str) -> None:
+    """Replaces the whole stored value, batch axes first (eagerly only)."""
+    storage = _eager_storage(handle, fn)
+    leaves, treedef = array_leaves(value, fn, "value")
+    check_fits(storage, leaves, treedef, f"`value` passed to `{fn}`", stacked=True)
+    commit([(storage, leaves)])

@@ -1,0 +1,113 @@
+"""The device buffers behind states: making them, and reading and replacing the
+buffers of several states at once, consistently.
+
+Every eager read of stored values (`get_state` outside transforms, `unsafe_get`,
+`state_dict`, `save`, `to_pure`) is a `snapshot`; every eager write (`set_state`
+outside transforms, `unsafe_set`, every load, `from_pure`) is a `commit`. Both work
+on any object with a storage's `id`, `refs`, `real` and `pending` (`_storage.py`).
+"""
+
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from .. import _jax
+from ._lock import critical, exclusive
+
+
+def new_ref(value) -> jax.Ref:
+    """A reference owning a fresh buffer holding `value` (concrete)."""
+    value = jnp.array(value, copy=True)
+    # Strongly typed and committed, like every buffer a compiled call returns: so
+    # the first `jaxstate.jit` call and later ones share one compilation.
+    value = jax.lax.convert_element_type(value, value.dtype)
+    value = jax.device_put(value, value.sharding)
+    return jax.new_ref(value, kind="no_grad_no_remat")
+
+
+def _fresh(current: jax.Array, value) -> jax.Array:
+    """A buffer of `value`'s own to replace `current`: strongly typed, on the same
+    devices, never aliasing `value` (`jaxstate.jit` donates it)."""
+    sharding = current.sharding
+    if not sharding.is_fully_addressable:
+        # Spread over several processes: `device_put` cannot place onto other
+        # processes' devices, so the loaders hand over global arrays already laid
+        # out as the state is.
+        if not (isinstance(value, jax.Array) and value.sharding == sharding):
+            raise ValueError(
+                "A state spread over several processes can only be given a global "
+                "array with the same sharding as the state (as `jaxstate.load` and "
+                "`jaxstate.load_checkpoint_tree` build); place the value with "
+                "`jax.make_array_from_callback` first."
+            )
+        return jnp.copy(value)
+    value = jnp.asarray(value)
+    if _jax.typeof(value).weak_type:
+        value = lax.convert_element_type(value, value.dtype)
+    return jax.device_put(value, sharding, may_alias=False)
+
+
+_LEAKED = (
+    "A value to store is a traced value (a tracer) of a jit, vmap, grad or other "
+    "transform that is not running here: it leaked out of that transform. Return "
+    "the value from the transform and store it outside, or call "
+    "`jaxstate.set_state` inside it. Nothing was written."
+)
+
+
+def commit(items: list[tuple[Any, list]]) -> None:
+    """Replaces the stacked values of several states at once, all or nothing.
+
+    `items` pairs each (set) storage with one array per leaf, already checked
+    against it (structure, shapes with batch axes, dtypes). New buffers are made
+    first; then every state is switched to them together, while no `jaxstate.jit`
+    call uses any of them and with interrupts deferred (`_lock.py`).
+    """
+    new = []
+    for storage, leaves in items:
+        if storage.real is not None:
+            # A stand-in inside a compiled function that JAX runs eagerly (as
+            # `jax_debug_nans` does to find a NaN): its references are local.
+            for ref, leaf in zip(storage.refs or (), leaves, strict=True):
+                ref[...] = leaf
+            continue
+        if any(isinstance(x, _jax.Tracer) for x in leaves):
+            raise RuntimeError(_LEAKED)
+        for ref, leaf in zip(storage.refs or (), leaves, strict=True):
+            new.append((ref, _fresh(_jax.buffer(ref), leaf)))
+    items = [(s, leaves) for s, leaves in items if s.real is None]
+    with critical(), exclusive([s for s, _ in items]):
+        for ref, buf in new:
+            _jax.set_buffer(ref, buf)
+        for storage, _ in items:
+            storage.pending = None
+
+
+def snapshot(storages: list) -> list[list[jax.Array]]:
+    """The stacked values of several (set) states, consistent with each other: no
+    `jaxstate.jit` call commits between reading one and the next. Copies, since
+    later calls donate the stored buffers."""
+    with exclusive(storages):
+        return [[_copy(s, r) for r in s.refs or ()] for s in storages]
+
+
+_DELETED = (
+    "This state's memory was deleted: a compiled call took its buffer and gave no "
+    "new one back. That happens when a function compiled with plain `jax.jit` or "
+    "`eqx.filter_jit` fails while running (or is interrupted) after XLA took the "
+    "buffers of the references it captured, a limitation of JAX's references, "
+    "which also holds for state a `jaxstate.jit` function closes over; "
+    "`jaxstate.jit` keeps the state passed in its arguments in both cases. Set the "
+    "state again (or reload it) before using it."
+)
+
+
+def _copy(storage, ref) -> jax.Array:
+    if storage.real is not None:  # a stand-in (see `commit`)
+        return ref[...]
+    buf = _jax.buffer(ref)
+    if buf.is_deleted():
+        raise RuntimeError(_DELETED)
+    return jnp.copy(buf)
