@@ -1,4 +1,4 @@
-"""`jaxstate.jit`'s hot path (src/jaxstate/_jit_args.py): arguments are worked out once
+"""`jaxstate.jit`'s hot path (src/jaxstate/_jit/_memo.py): arguments are worked out once
 per object, returned modules arrive already worked out, and none of it changes
 results, compiles more than once, or keeps state alive."""
 
@@ -13,7 +13,7 @@ import pytest
 
 import jaxstate
 from jaxstate._core._index import with_inference
-from jaxstate._jit import _args as _jit_args
+from jaxstate._jit import _memo
 
 
 class Two(eqx.Module):
@@ -29,13 +29,13 @@ class Two(eqx.Module):
 
 def _count_analyses(monkeypatch) -> list:
     calls = []
-    analyse = _jit_args.analyse
+    analyse = _memo.analyse
 
     def counting(tree):
         calls.append(type(tree).__name__)
         return analyse(tree)
 
-    monkeypatch.setattr(_jit_args, "analyse", counting)
+    monkeypatch.setattr(_memo, "analyse", counting)
     return calls
 
 

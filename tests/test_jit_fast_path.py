@@ -1,4 +1,4 @@
-"""`jaxstate.jit`'s fast path (`Plan` in src/jaxstate/_jit_args.py): a call whose
+"""`jaxstate.jit`'s fast path (`Memo.match` in src/jaxstate/_jit/_memo.py): a call whose
 arguments match the last call's by identity reuses its compiled function and
 layout. Whatever it skips, it must give what the slow path gives: each call reads
 and writes its own model's states, and nothing is kept alive."""
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate._jit import _args as _jit_args
+from jaxstate._jit import _memo
 
 
 class Counter(eqx.Module):
@@ -35,14 +35,16 @@ def _bump(model, x):
 def hits(monkeypatch) -> list:
     """Whether each call matched the plan (True) or took the slow path (False)."""
     seen = []
-    match = _jit_args.Plan.match
+    match = _memo.Memo.match
 
-    def watched(self, args, memo):
-        out = match(self, args, memo)
-        seen.append(out is not None)
+    def watched(self, args):
+        planned = self.last is not None and self.last.fast
+        out = match(self, args)
+        if planned:
+            seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(_jit_args.Plan, "match", watched)
+    monkeypatch.setattr(_memo.Memo, "match", watched)
     return seen
 
 
@@ -138,7 +140,7 @@ def test_other_arguments_give_what_the_slow_path_gives(second):
         for i in range(4):
             args, kwargs = ((model, x), {}) if i % 2 == 0 else second(model, x)
             if not use_plans:
-                step.memo.plan = None
+                step.memo.last = None
             outs.append(float(step(*args, **kwargs)))
         return outs, float(model.count.unsafe_get())
 
@@ -150,7 +152,7 @@ def test_the_plan_keeps_no_state_alive():
     model = Counter()
     for _ in range(3):
         model, _ = step(model, jnp.ones(2))
-    assert step.memo.plan is not None
+    assert step.memo.last is not None and step.memo.last.fast
     storage = weakref.ref(model.count._handle.get())
     del model
     gc.collect()
@@ -173,10 +175,10 @@ def test_a_pending_state_makes_no_plan():
     step(model)
     # The state had no value when the call was planned (its key could still
     # change), and the program wrote that model's own reference: no plan.
-    assert step.memo.plan is None
+    assert step.memo.last is None or not step.memo.last.fast
     step(model)
     step(model)
-    assert step.memo.plan is not None
+    assert step.memo.last is not None and step.memo.last.fast
     assert float(model.count.unsafe_get()) == 1.0
 
 

@@ -228,6 +228,11 @@ def checkify_predicates(error: Any) -> list:
     return list(error._pred.values())
 
 
+def jit_disabled() -> bool:
+    """Whether `jax.disable_jit()` is on."""
+    return _config.disable_jit.value
+
+
 def debugging_nans() -> bool:
     """Whether `jax_debug_nans` or `jax_debug_infs` is on (read from the config
     holders: this runs on every `jaxstate.jit` call)."""

@@ -1,0 +1,187 @@
+"""What a `jaxstate.jit` function remembers between calls, so that a training loop
+(`model, loss = step(model, x)`) does no Python work per call beyond gathering
+arrays.
+
+- **Parts of argument objects.** Flattening Equinox modules and looking at every leaf
+  costs more than the compiled call of a small step, so it is done once per object:
+  modules are immutable, so the same object has the same part. The modules a call
+  returns get theirs from the program's outputs (`_outputs.py`), without flattening.
+  Entries of modules are held by weak reference; tuples (an optax state; they have no
+  weak references) until the next call. Only the last call's entries are kept.
+- **The last call (`Last`).** Its arguments' part keys (by identity), its numbering of
+  states across arguments, and its program. A call whose arguments match it by
+  identity only gathers arrays (`match`, the fast path). When at most one argument
+  reaches states the record holds no state, so it stays valid for the next model of
+  a training loop and keeps nothing alive; when several do, it holds their
+  numbering until the next call that does not match.
+"""
+
+import operator
+import weakref
+from typing import Any
+
+import equinox as eqx
+
+from ._parts import analyse, combine, EMPTY, is_array, Part
+
+
+class _Held:
+    """A strong stand-in for `weakref.ref`, for objects that have none."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+def _same(xs: list, ys: list) -> bool:
+    return xs is ys or (len(xs) == len(ys) and all(map(operator.is_, xs, ys)))
+
+
+class Last:
+    """The last call, as far as it decides everything but the arrays."""
+
+    __slots__ = ("keys", "storages", "call", "program", "n_first", "fast")
+
+    def __init__(self, parts: list, call: Part, program: Any, n_first: int, fast):
+        # Per argument (the function and keyword arguments first): the key object
+        # of its part, `None` for an array.
+        self.keys = [p.key if type(p) is Part else None for p in parts]
+        self.program = program
+        self.n_first = n_first
+        # Whether a later call may take the fast path.
+        self.fast = fast
+        if call.fixed and sum(bool(p.storages) for p in parts if type(p) is Part) > 1:
+            # The numbering across arguments: the record must then check each
+            # argument's states, and holds them (not the arrays).
+            self.call: Part | None = call.layout()
+            self.storages: list | None = [
+                p.storages if type(p) is Part else None for p in parts
+            ]
+        else:
+            self.call = self.storages = None
+
+    def same_layout(self, parts: list) -> bool:
+        """Whether `parts` have this call's keys (by identity) and states."""
+        keys, storages = self.keys, self.storages
+        if len(parts) != len(keys):
+            return False
+        for i, (p, key) in enumerate(zip(parts, keys, strict=True)):
+            if type(p) is not Part:
+                if key is not None:
+                    return False
+            elif p.key is not key or (
+                storages is not None and not _same(p.storages, storages[i])
+            ):
+                return False
+        return True
+
+
+class Memo:
+    """Parts of argument objects known not to have changed, and the last call."""
+
+    def __init__(self, fun):
+        self._fun = fun
+        self.fun = analyse(fun)
+        self.entries: dict[int, tuple[Any, Part]] = {}
+        self.used: dict[int, tuple[Any, Part]] = {}
+        self.last: Last | None = None
+
+    def fun_part(self) -> Part:
+        # Worked out again until its states have values.
+        if not self.fun.fixed:
+            self.fun = analyse(self._fun)
+        return self.fun
+
+    def parts(self, args: tuple, kwargs: dict) -> list:
+        """The parts of a call's arguments: the function's, the keyword arguments',
+        then each positional argument's (an array stands for itself)."""
+        return [
+            self.fun_part(),
+            EMPTY if not kwargs else analyse(kwargs),
+            *map(self.part, args),
+        ]
+
+    def part(self, tree) -> Any:
+        """The part of an argument; an array stands for itself."""
+        if is_array(tree):
+            return tree
+        key = id(tree)
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is tree:
+            self.used[key] = entry
+            return entry[1]
+        part = analyse(tree)
+        if part.fixed and not part.mutable and isinstance(tree, (eqx.Module, tuple)):
+            self.remember(tree, part)
+        return part
+
+    def call_of(self, parts: list) -> Part:
+        """The whole call's part: the last call's numbering when the arguments
+        match it, else numbered afresh."""
+        last = self.last
+        if last is not None and last.call is not None and last.same_layout(parts):
+            call = last.call.layout()
+            call.arrays = [
+                x for p in parts for x in (p.arrays if type(p) is Part else (p,))
+            ]
+            return call
+        return combine(parts)
+
+    def match(self, args: tuple) -> tuple[list, Part] | None:
+        """The fast path: `(arrays, call)` if `args` match the last call by identity
+        (an array where it had an array, else an object remembered with the very
+        same part key), else `None`. The call is the one argument part that reaches
+        states, or the last call's numbering."""
+        last = self.last
+        if last is None or not last.fast:
+            return None
+        keys = last.keys
+        if len(args) != len(keys) - 2 or keys[0] is not self.fun.key:
+            return None
+        fun = self.fun
+        arrays = list(fun.arrays)
+        call = fun if fun.storages else EMPTY
+        entries, used, storages = self.entries, self.used, last.storages
+        for i, arg in enumerate(args, 2):
+            key = keys[i]
+            if key is None:
+                if not is_array(arg):
+                    return None
+                arrays.append(arg)
+                continue
+            entry = entries.get(id(arg))
+            if entry is None or entry[0]() is not arg:
+                return None
+            part = entry[1]
+            if part.key is not key:
+                return None
+            if part.storages:
+                if storages is not None and not _same(part.storages, storages[i]):
+                    return None
+                call = part
+            used[id(arg)] = entry
+            arrays += part.arrays
+        return arrays, (call if last.call is None else last.call)
+
+    def remember(self, tree, part: Part) -> None:
+        # (`issubclass` of the type: `isinstance` on a module goes through
+        # Equinox's `__getattribute__`.)
+        if issubclass(type(tree), tuple):
+            self.used[id(tree)] = (_Held(tree), part)
+        else:
+            self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
+
+    def _drop(self, ref) -> None:
+        # The module died: forget its part (there are only a call's few entries).
+        for d in (self.entries, self.used):
+            for key, entry in list(d.items()):
+                if entry[0] is ref:
+                    del d[key]
+
+    def next_call(self) -> None:
+        """Keeps what this call used or returned; forgets the rest."""
+        self.entries, self.used = self.used, {}

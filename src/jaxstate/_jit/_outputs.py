@@ -1,0 +1,231 @@
+"""How a `jaxstate.jit` program returns its output, and how a call rebuilds it.
+
+Each element of the output (each element of a returned tuple, or the whole output)
+is described once, when the program is traced, by an `OutPart`: where its arrays,
+states and indices go. Every call of that program rebuilds the element positionally
+from the arrays it returned and the call's states; an index of one of the call's
+states is one leaf (an `OutIndex`), made once per (state, flag) and reused. A
+returned module also gets, for free, the `Part` it would have as an argument, so a
+training loop never flattens its model again.
+"""
+
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from .. import _jax
+from .._core._flag import Flag
+from .._core._index import StateIndex
+from .._core._storage import Handle
+from ._parts import (
+    ARRAY,
+    holders,
+    is_array,
+    is_leaf,
+    Part,
+    Slot,
+    static_handles,
+    unchanging,
+)
+
+
+class OutIndex(NamedTuple):
+    """An output's index of one of the call's states."""
+
+    number: int  # the state's slot in the call
+    flag: Any  # the index's `Flag`
+    treedef: Any  # of the `StateIndex` itself, with its handle as a leaf
+
+
+# What the program returns as arrays (anything else stays static).
+_OUT_ARRAY_TYPES = (jax.Array, _jax.Tracer)
+
+
+class OutPart:
+    """How the program returns one element of its output: fixed when it is traced,
+    and shared by every call of that trace."""
+
+    __slots__ = (
+        "treedef",
+        "key_treedef",
+        "key_spec",
+        "n",
+        "only_arrays",
+        "is_leaf",
+        "module",
+        "has_statics",
+        "_statics",
+        "_array_pos",
+        "_slot_pos",
+        "_index_pos",
+        "_template",
+    )
+
+    def __init__(self, out, slot_of: dict[int, int]):
+        """At trace time: `out` is one element of the function's output, holding
+        tracers; `slot_of` numbers the call's (stand-in) storages by id."""
+
+        def passed_index(x) -> bool:
+            if type(x) is not StateIndex or type(x.inference) is not Flag:
+                return False
+            storage = x._handle.storage
+            return storage is not None and storage.id in slot_of
+
+        def entry(leaf) -> Any:
+            if isinstance(leaf, _OUT_ARRAY_TYPES):
+                return ARRAY
+            storage = leaf.storage if type(leaf) is Handle else None
+            if storage is not None and storage.id in slot_of:
+                return Slot(slot_of[storage.id], None)
+            if type(leaf) is StateIndex and passed_index(leaf):
+                treedef = jtu.tree_structure(leaf, is_leaf=is_leaf)
+                return OutIndex(slot_of[leaf._handle.get().id], leaf.inference, treedef)
+            return leaf
+
+        # The key of the element as an argument: handles as leaves.
+        leaves, self.key_treedef = jtu.tree_flatten(out, is_leaf=is_leaf)
+        self.key_spec = tuple(map(entry, leaves))
+        # What is rebuilt: indices of the call's states as leaves.
+        leaves, self.treedef = jtu.tree_flatten(
+            out, is_leaf=lambda x: is_leaf(x) or passed_index(x)
+        )
+        spec = list(map(entry, leaves))
+        self.n = sum(s is ARRAY for s in spec)
+        self.only_arrays = self.n == len(spec)
+        self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(self.treedef)
+        # Modules and tuples (e.g. an optax state) are remembered when returned.
+        self.module = isinstance(out, (eqx.Module, tuple))
+        # Indices in static positions: such a module is worked out when passed in.
+        self.has_statics = bool(self.module and static_handles(self.treedef))
+        self._statics = [
+            None if s is ARRAY or type(s) in (Slot, OutIndex) else s for s in spec
+        ]
+        self._array_pos = [i for i, s in enumerate(spec) if s is ARRAY]
+        self._slot_pos = [(i, s.number) for i, s in enumerate(spec) if type(s) is Slot]
+        # Looked up by `(number, bool)`: hashing a `Flag` runs Python code.
+        self._index_pos = [
+            (i, (s.number, s.flag.value), s)
+            for i, s in enumerate(spec)
+            if type(s) is OutIndex
+        ]
+        self._template: Any = None
+
+    @staticmethod
+    def arrays(out) -> list:
+        """At trace time: the arrays of one element of the output, in the order
+        `leaves` expects them."""
+        return [x for x in jtu.tree_leaves(out) if isinstance(x, _OUT_ARRAY_TYPES)]
+
+    def leaves(self, arrays: list, call: Part) -> list:
+        """The leaves to unflatten `treedef` with, from a call's output arrays."""
+        leaves = self._statics.copy()
+        for i, array in zip(self._array_pos, arrays, strict=True):
+            leaves[i] = array
+        handles = call.handles
+        for i, number in self._slot_pos:
+            leaves[i] = handles[number]
+        indices = call.indices
+        for i, lookup, out_index in self._index_pos:
+            index = indices.get(lookup)
+            if index is None:
+                index = out_index.treedef.unflatten(
+                    [handles[out_index.number], out_index.flag]
+                )
+                indices[lookup] = index
+            leaves[i] = index
+        return leaves
+
+    def _make_template(self, signatures: dict[int, int]):
+        if (
+            0 in signatures.values()
+            or self.has_statics
+            or not unchanging(self.key_treedef)
+            or any(type(s) is Handle or is_array(s) for s in self.key_spec)
+        ):
+            # Holds a state the call did not receive, or one without a value yet,
+            # or a NumPy array made by the function: worked out when passed in.
+            return False
+        local_of: dict[int, int] = {}
+        spec = []
+        for s in self.key_spec:
+            if type(s) is Slot:
+                local = local_of.setdefault(s.number, len(local_of))
+                s = Slot(local, signatures[s.number])
+            spec.append(s)
+        numbers = list(local_of)
+        in_order = numbers == list(range(len(numbers)))
+        return (self.key_treedef, tuple(spec)), numbers, in_order
+
+    def part(self, arrays: list, call: Part, signatures) -> Part | None:
+        """The part the returned module would have as an argument, or `None` if it
+        must be worked out when passed in."""
+        if self._template is None:
+            self._template = self._make_template(signatures)
+        if self._template is False:
+            return None
+        key, numbers, in_order = self._template
+        if in_order and len(numbers) == len(call.storages):
+            return Part(
+                key,
+                arrays,
+                call.storages,
+                call.handles,
+                holders_=call.holders,
+                ids=call.ids,
+                indices=call.indices,
+            )
+        storages = [call.storages[n] for n in numbers]
+        handles = [call.handles[n] for n in numbers]
+        return Part(key, arrays, storages, handles, holders_=holders(storages))
+
+
+class Static:
+    """Carries static (non-array) output out of the program as tree structure."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+# The instance itself is the aux data, so rebuilding it is one Python call that
+# allocates nothing (this runs on every call, from JAX's C++ dispatch).
+jtu.register_pytree_node(Static, lambda s: ((), s), lambda s, _: s)
+
+
+def describe(out, slot_of: dict[int, int]) -> tuple[list, Static]:
+    """At trace time: the output's arrays, and how to rebuild it around them."""
+    # Each element of a tuple output is described on its own, so that the modules
+    # among them can be remembered.
+    is_tuple = type(out) is tuple
+    elements = out if is_tuple else (out,)
+    described = tuple(OutPart(element, slot_of) for element in elements)
+    arrays = [x for element in elements for x in OutPart.arrays(element)]
+    return arrays, Static((is_tuple, described))
+
+
+def rebuild(static: Static, arrays: list, call: Part, signatures, memo, remember):
+    """A call's output, from what it returned; the modules among it are remembered
+    (with `remember`) unless the program gave a state its first value."""
+    is_tuple, described = static.value
+    outs, start = [], 0
+    for op in described:
+        if op.is_leaf:
+            outs.append(arrays[start])
+            start += 1
+            continue
+        mine = arrays[start : start + op.n]
+        start += op.n
+        if op.only_arrays:
+            out = op.treedef.unflatten(mine)
+        else:
+            out = op.treedef.unflatten(op.leaves(mine, call))
+        if op.module and remember:
+            part = op.part(mine, call, signatures)
+            if part is not None:
+                memo.remember(out, part)
+        outs.append(out)
+    memo.next_call()
+    return tuple(outs) if is_tuple else outs[0]

@@ -1,0 +1,291 @@
+"""What an argument brings to a `jaxstate.jit` call: a `Part`.
+
+A part holds the argument's share of the cache key (its tree structure, and a `spec`
+with one entry per leaf: `ARRAY` for an array, a `Slot` for a state, the leaf itself
+for anything static), its arrays, and the distinct states it reaches, numbered in
+order (*slots*). The key names structure, never values or storages, so one compiled
+program serves every model of the same structure.
+
+A whole call is a part too: `combine` numbers the states of all its arguments' parts
+across them (one slot per distinct state) and joins their keys.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from .. import _jax
+from .._core._flag import Flag
+from .._core._index import StateIndex
+from .._core._storage import Handle, is_set, Storage
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+ARRAY = _Marker("ARRAY")
+
+
+class Slot(NamedTuple):
+    """A spec entry for a state: its number in the call, and a small integer naming
+    its type (`Storage.signature_id`; `None` in an output's spec)."""
+
+    number: int
+    signature: int | None
+
+
+_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
+
+
+def kind(cls: type) -> int:
+    """Whether leaves of `cls` are arrays, handles or static (cached per type:
+    `isinstance(x, jax.Array)` goes through an ABC check)."""
+    k = _kinds.get(cls)
+    if k is None:
+        k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
+    return k
+
+
+def is_array(x) -> bool:
+    return (_kinds.get(type(x)) or kind(type(x))) == _ARRAY_KIND
+
+
+def is_leaf(x) -> bool:
+    """Handles are leaves here (each becomes a slot). So are flags: immutable and
+    hashable, they are kept as they are, which spares an unflatten per flag."""
+    return type(x) is Handle or type(x) is Flag
+
+
+#
+# Indices in static positions (an Equinox static field, a Flax `pytree_node=False`
+# field, the meta fields of `jax.tree_util.register_dataclass`) are part of the tree
+# structure: the compiled program reaches them through their references, as closed
+# over, and they decide where the program is kept (it must die with them).
+#
+
+
+def _search(x, found: list[Handle]) -> None:
+    if isinstance(x, StateIndex):
+        found.append(x._handle)
+    elif isinstance(x, (list, tuple, set, frozenset)):
+        for y in x:
+            _search(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _search(y, found)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        # Equinox modules and other dataclasses kept whole as static data.
+        for f in dataclasses.fields(x):
+            if f.name in getattr(x, "__dict__", {}):
+                _search(x.__dict__[f.name], found)
+
+
+def static_handles(treedef) -> list[Handle]:
+    """The handles of the indices held in the static data of `treedef`'s nodes."""
+    found: list[Handle] = []
+    data = treedef.node_data()
+    if data is not None:
+        _search(data[1], found)
+    for child in treedef.children():
+        found += static_handles(child)
+    return found
+
+
+_UNCHANGING = (tuple, eqx.Module, type(None))
+
+
+def unchanging(treedef) -> bool:
+    """Whether a tree is built only of nodes that cannot change in place: Equinox
+    modules, tuples (named ones too: optax states) and `None`. An object holding
+    anything else (a list, a dict, another registered type) may be changed in place
+    between calls, so it is worked out again on every call, never remembered. (Not
+    cached: a cache would keep the treedefs, and with them static data, alive.)"""
+    data = treedef.node_data()
+    if data is not None and not issubclass(data[0], _UNCHANGING):
+        return False
+    return all(map(unchanging, treedef.children()))
+
+
+def holders(storages: Sequence[Storage]) -> list:
+    """The objects inside the states' references that hold their buffers: reading
+    and replacing buffers through them skips the reference's own dispatch."""
+    return [
+        _jax.buffer_holder(r)
+        for s in storages
+        if s.pending is None
+        for r in s.refs or ()
+    ]
+
+
+class Part:
+    """What one argument, or the function itself, or a whole call brings to a call."""
+
+    __slots__ = (
+        "key",
+        "arrays",
+        "storages",
+        "handles",
+        "holders",
+        "ids",
+        "indices",
+        "statics",
+        "fixed",
+        "mutable",
+    )
+
+    def __init__(
+        self,
+        key: Any,
+        arrays: list,
+        storages: list[Storage],
+        handles: list[Handle],
+        *,
+        holders_: list | None = None,
+        ids: list[int] | None = None,
+        indices: dict | None = None,
+        statics: Sequence[Storage] = (),
+        fixed: bool = True,
+        mutable: bool = False,
+    ):
+        # `(treedef, spec)`; for a whole call, a tuple of those, one per argument.
+        self.key = key
+        self.arrays = arrays
+        self.storages = storages  # one per slot
+        self.handles = handles  # the first handle seen for each slot
+        self.holders = holders(storages) if holders_ is None else holders_
+        # The states whose buffers a call passes (those with a value).
+        self.ids = [s.id for s in storages if is_set(s)] if ids is None else ids
+        # The `StateIndex` objects returned for these states, by (slot, flag), kept
+        # for the next returned module: rebuilding them costs more than reusing.
+        self.indices = {} if indices is None else indices
+        # The storages of indices in static positions.
+        self.statics = statics
+        # Whether every state has its value: until then a state's signature (and so
+        # the key) can still change, and the part is not remembered.
+        self.fixed = fixed
+        # Whether the argument may change in place (never remembered).
+        self.mutable = mutable
+
+    def layout(self) -> "Part":
+        """This part without its arrays: what another call with the same states
+        and structure shares."""
+        return Part(
+            self.key,
+            [],
+            self.storages,
+            self.handles,
+            holders_=self.holders,
+            ids=self.ids,
+            indices=self.indices,
+            statics=self.statics,
+            fixed=self.fixed,
+        )
+
+
+def analyse(tree) -> Part:
+    """Works out the part of `tree` by flattening it and looking at every leaf."""
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=is_leaf)
+    arrays, storages, handles, spec = [], [], [], []
+    slot_of: dict[int, int] = {}
+    fixed = True
+    for leaf in leaves:
+        k = _kinds.get(type(leaf)) or kind(type(leaf))
+        if k == _ARRAY_KIND:
+            arrays.append(leaf)
+            spec.append(ARRAY)
+        elif k == _HANDLE_KIND:
+            storage = leaf.storage or leaf.get()  # `get` raises the freed error
+            slot = slot_of.get(storage.id)
+            if slot is None:
+                slot = slot_of[storage.id] = len(storages)
+                storages.append(storage)
+                handles.append(leaf)
+                fixed = fixed and is_set(storage)  # settles a pending state first
+            spec.append(Slot(slot, storage.signature_id))
+        else:
+            spec.append(leaf)
+    return Part(
+        (treedef, tuple(spec)),
+        arrays,
+        storages,
+        handles,
+        statics=[h.get() for h in static_handles(treedef)],
+        fixed=fixed,
+        mutable=not unchanging(treedef),
+    )
+
+
+EMPTY = analyse({})
+ARRAY_KEY = (jtu.tree_structure(0), (ARRAY,))  # an array argument's key
+
+
+def combine(parts: list) -> Part:
+    """The part of a whole call, from its arguments' parts (an array argument stands
+    for itself). States are numbered in order of first appearance over all
+    arguments; with at most one argument reaching states, its numbering is the
+    call's."""
+    arrays, keys, statics, stateful = [], [], [], []
+    fixed = True
+    for p in parts:  # (one plain loop: this runs on every slow call)
+        if type(p) is Part:
+            arrays += p.arrays
+            keys.append(p.key)
+            statics += p.statics
+            fixed = fixed and p.fixed
+            if p.storages:
+                stateful.append(p)
+        else:
+            arrays.append(p)
+            keys.append(ARRAY_KEY)
+    if len(stateful) <= 1:
+        one = stateful[0] if stateful else EMPTY
+        return Part(
+            tuple(keys),
+            arrays,
+            one.storages,
+            one.handles,
+            holders_=one.holders,
+            ids=one.ids,
+            indices=one.indices,
+            statics=statics,
+            fixed=fixed,
+        )
+    slot_of: dict[int, int] = {}
+    storages, handles = [], []
+    for i, p in enumerate(parts):
+        if type(p) is not Part or not p.storages:
+            continue
+        numbers = []
+        for storage, handle in zip(p.storages, p.handles, strict=True):
+            slot = slot_of.get(storage.id)
+            if slot is None:
+                slot = slot_of[storage.id] = len(storages)
+                storages.append(storage)
+                handles.append(handle)
+            numbers.append(slot)
+        treedef, spec = p.key
+        spec = tuple(
+            Slot(numbers[s.number], s.signature) if type(s) is Slot else s for s in spec
+        )
+        keys[i] = (treedef, spec)
+    return Part(tuple(keys), arrays, storages, handles, statics=statics, fixed=fixed)
+
+
+def n_first(parts: list) -> int:
+    """How many arrays the function, the keyword arguments and the first argument
+    hold (for `donate="all-except-first"`)."""
+    return sum(len(p.arrays) if type(p) is Part else 1 for p in parts[:3])

@@ -1,0 +1,213 @@
+"""One compiled program of a `jaxstate.jit` function: one per call structure.
+
+The program takes `(kept arrays, donated arrays, state buffers, unused)` and returns
+`(output arrays, Static, new state buffers)`. While it is traced, each state passed
+in is a stand-in storage whose references are local (`_core/_local.py`): plain
+values at the top level of the function, real references only where a nested
+transform needs one.
+
+**Donation is chosen per program.** A program that can fail while running (a host
+callback that raises, as `eqx.error_if` does) would fail after XLA took the donated
+buffers, losing the state: such a trace is stopped before it is compiled
+(`_Undonate`) and the program passes its state undonated from then on.
+"""
+
+import threading
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax.experimental import checkify
+
+from .. import _jax
+from .._core._context import passed_in
+from .._core._local import LocalRef
+from .._core._storage import Handle, Storage
+from ._outputs import describe
+from ._parts import ARRAY, Slot
+
+
+def _rebuild(spec, arrays, handles) -> list:
+    it = iter(arrays)
+    return [
+        next(it) if s is ARRAY else handles[s.number] if type(s) is Slot else s
+        for s in spec
+    ]
+
+
+def _checkify_failed(out) -> Any:
+    """Whether any `checkify` error returned by the function is set, or `None` if
+    it returns none."""
+    errors = [
+        x
+        for x in jtu.tree_leaves(out, is_leaf=lambda x: isinstance(x, checkify.Error))
+        if isinstance(x, checkify.Error)
+    ]
+    preds = [jnp.any(p) for e in errors for p in _jax.checkify_predicates(e)]
+    return jnp.any(jnp.stack(preds)) if preds else None
+
+
+def _calls_back(eqns) -> bool:
+    """Whether any of `(primitive, params)` calls back to the host (which can
+    raise while the program runs, as `eqx.error_if` does)."""
+    for prim, params in eqns:
+        if "callback" in prim.name:
+            return True
+        for sub in _jax.sub_jaxprs(params):
+            if _calls_back((e.primitive, e.params) for e in sub.eqns):
+                return True
+    return False
+
+
+class _Undonate(Exception):
+    """Stops tracing the donating program of a function that can fail while it
+    runs: it is compiled again with its state undonated."""
+
+
+class _Tracing(threading.local):
+    storages: Any = ()
+
+
+_MIXED_HALVES = (
+    "The function puts a StateIndex from its arguments and the same StateIndex "
+    "closed over into one tree (for example `eqx.combine(params, static)` with "
+    "`static` from `eqx.partition` closed over). Inside `jaxstate.jit` the states "
+    "passed in are stand-ins for the call, so the two halves no longer match. Pass "
+    "the closed-over part as an argument too (`step(params, static, x)`), or close "
+    "over the whole model. See docs/misuse.md, 'mixed-halves'."
+)
+
+
+def _explain_mixed_trees(e: ValueError, proxies: list[Storage]) -> None:
+    # JAX's "different pytree metadata" error naming a stand-in's key and its real
+    # state's.
+    text = str(e)
+    if "metadata" not in text:
+        return
+    for p in proxies:
+        real = p.real
+        if real is not None and f"Key({p.id})" in text and f"Key({real.id})" in text:
+            raise ValueError(_MIXED_HALVES) from e
+
+
+class Program:
+    """The compiled program for one call structure (`key`)."""
+
+    def __init__(self, key, jitkwargs: dict):
+        self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
+        # The signature id of each state, for the parts of returned modules.
+        self.signatures = {
+            s.number: s.signature for _, spec in key for s in spec if type(s) is Slot
+        }
+        self.jitkwargs = jitkwargs
+        self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **jitkwargs)
+        self.donating = True
+        self._undonated = None
+        # The storages of the call being traced, per thread.
+        self._tracing = _Tracing()
+        # Until the first call has compiled, JAX's warning about donated buffers it
+        # could not reuse may be hidden (as `eqx.filter_jit(donate="all")` does).
+        self.fresh = True
+        # Set when a trace gave a state its first value: the program then writes
+        # that state's own references, so it serves no other model.
+        self.created = False
+        # The states the function reached through closed-over indices.
+        self.closed: frozenset[int] = frozenset()
+
+    def undonated(self):
+        # For functions that can fail while running, and while debugging NaNs
+        # (`jax_debug_nans` re-runs a failing call from the same inputs).
+        if self._undonated is None:
+            self._undonated = jax.jit(
+                self._inner, donate_argnums=(1,), **self.jitkwargs
+            )
+        return self._undonated
+
+    def run(self, storages: list, inputs: tuple, hide_warning: bool) -> Any:
+        """Calls the program with `inputs` for the states `storages`, tracing and
+        compiling it first if needed."""
+        self._tracing.storages = storages
+        try:
+            if self.fresh or _jax.debugging_nans():
+                return self._first(lambda jitted: jitted(*inputs), hide_warning)
+            return self.retrying(lambda jitted: jitted(*inputs))
+        finally:
+            self._tracing.storages = ()
+
+    def lower(self, storages: list, inputs: tuple) -> Any:
+        self._tracing.storages = storages
+        try:
+            return self.retrying(lambda jitted: jitted.lower(*inputs))
+        finally:
+            self._tracing.storages = ()
+
+    def _first(self, use, hide_warning: bool) -> Any:
+        with warnings.catch_warnings():
+            if hide_warning:
+                warnings.filterwarnings("ignore", "Some donated buffers")
+            if _jax.debugging_nans():
+                out = use(self.undonated())
+            else:
+                out = self.retrying(use)
+        self.fresh = False
+        return out
+
+    def retrying(self, use) -> Any:
+        """`use(jitted)`; again, undonated from then on, if the trace turned out to
+        be of a program that can fail while running (for new shapes, JAX may trace
+        a program again, and the new one may add a check)."""
+        try:
+            return use(self.jitted)
+        except _Undonate:
+            self.donating = False
+            self.jitted = self.undonated()
+            return use(self.jitted)
+
+    def _inner(self, kept, donated, bufs, _):
+        top = _jax.current_trace()
+        storages = self._tracing.storages
+        # `bufs` holds the leaves of every distinct state that has a value, slot
+        # after slot.
+        proxies, local, it = [], [], iter(bufs)
+        for number, real in enumerate(storages):
+            refs = None
+            if self.signatures[number]:
+                refs = tuple(LocalRef(next(it), top) for _ in real.member_avals)
+                local += refs
+            proxy = Storage.proxy(real, refs)
+            proxy.top = top
+            proxies.append(proxy)
+        handles = [Handle.of(p) for p in proxies]
+        arrays = iter([*kept, *donated])
+        fun, kwargs, *args = [
+            jtu.tree_unflatten(treedef, _rebuild(spec, arrays, handles))
+            for treedef, spec in self.key
+        ]
+        with passed_in(storages) as closed:
+            try:
+                out = fun(*args, **kwargs)
+            except ValueError as e:
+                _explain_mixed_trees(e, proxies)
+                raise
+        # Another model of this structure may be the one closed over: refused at
+        # call time, as the trace refused this one.
+        self.closed = frozenset(closed)
+        if any(p.pending is not None for p in proxies):
+            self.created = True
+        if self.donating and _calls_back(_jax.recorded(top)):
+            # A failure while running would come after XLA took the donated
+            # buffers: stop before this program is compiled.
+            raise _Undonate
+        new_bufs = [r[...] for r in local]
+        failed = _checkify_failed(out)
+        if failed is not None:
+            # A failed `checkify.check` is a value, not an exception: commit none of
+            # this call's state updates (XLA still updates the buffers in place).
+            new_bufs = [
+                jnp.where(failed, old, new)
+                for old, new in zip(bufs, new_bufs, strict=True)
+            ]
+        out_arrays, static = describe(out, {p.id: i for i, p in enumerate(proxies)})
+        return out_arrays, static, new_bufs
