@@ -19,11 +19,12 @@ from ._lock import critical, exclusive
 
 def new_ref(value) -> jax.Ref:
     """A reference owning a fresh buffer holding `value` (concrete)."""
+    # Strongly typed, like every buffer a compiled call returns, so that the first
+    # `jaxstate.jit` call and later ones share one compilation; committed to a
+    # device only if `value` is (a compiled step's outputs are committed when any
+    # input is, and freshly built parameters are not).
     value = jnp.array(value, copy=True)
-    # Strongly typed and committed, like every buffer a compiled call returns: so
-    # the first `jaxstate.jit` call and later ones share one compilation.
     value = jax.lax.convert_element_type(value, value.dtype)
-    value = jax.device_put(value, value.sharding)
     return jax.new_ref(value, kind="no_grad_no_remat")
 
 
@@ -46,6 +47,9 @@ def _fresh(current: jax.Array, value) -> jax.Array:
     value = jnp.asarray(value)
     if _jax.typeof(value).weak_type:
         value = lax.convert_element_type(value, value.dtype)
+    if not current.committed and not getattr(value, "committed", False):
+        # An uncommitted state stays so (see `new_ref`).
+        return jax.device_put(value, may_alias=False)
     return jax.device_put(value, sharding, may_alias=False)
 
 
@@ -110,4 +114,8 @@ def _copy(storage, ref) -> jax.Array:
     buf = _jax.buffer(ref)
     if buf.is_deleted():
         raise RuntimeError(_DELETED)
-    return jnp.copy(buf)
+    if not buf.is_fully_addressable:
+        return jnp.copy(buf)
+    # (Not `jnp.copy`: on an uncommitted array it looks up JAX's default device,
+    # under a lock that a finaliser reading state could already hold.)
+    return jax.device_put(buf, may_alias=False)

@@ -49,6 +49,7 @@ class Storage:
         "real",
         "jits",
         "traced",
+        "young",
         "__weakref__",
     )
 
@@ -70,9 +71,11 @@ class Storage:
         # `jaxstate.jit` programs for models holding this index in a static field
         # (see `_jit._JitWrapper._compiled_static`): they live as long as it does.
         self.jits: list = []
-        # Created inside a trace: the compiled program holds its references, and
+        # First set inside a trace: the compiled program holds its references, and
         # its output structure holds the storage (see `Key`).
         self.traced = False
+        # Created inside a transform and not yet seen by eager code (see `Key`).
+        self.young = not _jax.is_eager()
 
     @property
     def signature_id(self) -> int:
@@ -203,19 +206,26 @@ def holding(treedef, avals, batch_shape, values: list) -> Storage:
 class Key:
     """Hashable identity of a `Storage`; what JAX sees as static metadata.
 
-    Made afresh by every flatten; holds the storage strongly until `take` is called
-    by the first unflatten, weakly after.
+    Made afresh by every flatten, and usually weak: the tree it was made from is
+    alive while it is used, and JAX's and Equinox's caches keep these keys long
+    after (keyed on argument structure). A storage created inside a transform (a
+    model built inside `eqx.filter_vmap`) leaves it only as tree structure, the
+    objects created inside being dropped before the output is rebuilt outside: its
+    keys hold it strongly until their first unflatten, while it is young (until eager
+    code first rebuilds an index of it).
     """
 
     __slots__ = ("id", "strong", "weak", "keep")
 
     def __init__(self, storage: Storage):
         self.id = storage.id
-        self.strong: Storage | None = storage
         self.weak = storage.weak
-        # A state created inside a traced function lives as long as that
+        # A state first set inside a traced function lives as long as that
         # function's cached program, which returns it again on every call.
         self.keep = storage.traced
+        # (Stand-ins live only while their trace runs.)
+        young = storage.young and storage.real is None
+        self.strong: Storage | None = storage if self.keep or young else None
 
     def take(self) -> Storage | None:
         if not self.keep:
@@ -283,4 +293,11 @@ def _flatten(handle: Handle):
     return (), (handle.key if storage is None else Key(storage))
 
 
-jtu.register_pytree_node(Handle, _flatten, lambda key, _: Handle(key, key.take()))
+def _unflatten(key: Key, _) -> Handle:
+    storage = key.take()
+    if storage is not None and storage.young and _jax.is_eager():
+        storage.young = False
+    return Handle(key, storage)
+
+
+jtu.register_pytree_node(Handle, _flatten, _unflatten)
