@@ -43,10 +43,10 @@ def collect():
     return run
 
 
-# tests/sharded/ needs 8 CPU devices, fixed when JAX starts: tests/test_sharding.py
-# runs it in a fresh process.
+# tests/pure/sharded/ needs 8 CPU devices, fixed when JAX starts:
+# tests/pure/test_sharding.py runs it in a fresh process.
 if not os.environ.get("JAXSTATE_SHARDED_TESTS"):
-    collect_ignore = ["sharded"]
+    collect_ignore = ["pure/sharded"]
 
 
 _JITS = {"jax.jit": jax.jit, "jaxstate.jit": jaxstate.jit}
@@ -88,21 +88,23 @@ def typechecked(config: pytest.Config) -> bool:
 # decoding token by token, the documentation's examples, the benchmarks). The first
 # pass runs them.
 NOT_TYPECHECKED = (
-    "test_published_pattern.py",
-    "test_nn_decode_example.py",
-    "test_nn_attention.py",
-    "test_threads.py",
-    "test_interrupts.py",
-    "test_demo.py",
-    "test_nn_docs.py",
-    "test_docs_snippets.py",
-    "test_benchmarks_smoke.py",
+    "programs/test_published_pattern.py",
+    "programs/test_decode_example.py",
+    "nn/test_attention.py",
+    "core/test_threads.py",
+    "core/test_interrupts.py",
+    "programs/test_demo.py",
+    "programs/test_layer_docs.py",
+    "programs/test_docs_snippets.py",
+    "programs/test_benchmarks_smoke.py",
 )
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
-    if typechecked(config) and collection_path.name in NOT_TYPECHECKED:
-        return True
+    here = Path(__file__).parent
+    if typechecked(config) and collection_path.is_relative_to(here):
+        if collection_path.relative_to(here).as_posix() in NOT_TYPECHECKED:
+            return True
     return None
 
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 MARKER = "# runnable"
 # Fenced blocks, also indented ones (inside admonitions or content tabs).
 _FENCE = re.compile(

@@ -2,7 +2,7 @@
 the default.
 
 Modes "batch" and "ema" are checked against `eqx.nn.BatchNorm` in
-tests/test_batch_norm.py. Here every mode that normalises with the batch statistics
+tests/nn/test_batch_norm.py. Here every mode that normalises with the batch statistics
 ("debiased", "batch", "flax") is checked against its rule written out in NumPy, and
 "flax" against Flax NNX's own `nnx.BatchNorm`; then the default against NNX's rule
 where it matters, in inference early in training.
@@ -20,7 +20,7 @@ import pytest
 import jaxstate
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 C, B = 3, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
 

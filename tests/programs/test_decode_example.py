@@ -4,7 +4,8 @@ import importlib.util
 import pathlib
 
 
-EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "decode_kv_cache.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "decode_kv_cache.py"
 
 
 def _load():

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _python_blocks():

@@ -14,9 +14,8 @@ import pytest
 import jaxstate
 
 
-EXAMPLE = (
-    pathlib.Path(__file__).parent.parent / "examples" / "train_digits_distributed.py"
-)
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_digits_distributed.py"
 
 
 def _free_port() -> int:

@@ -1,7 +1,8 @@
 """The worked examples of the layer pages run.
 
 Every ```python block of docs/layer-*.md whose first line is `# runnable` is
-executed, each in a fresh namespace (the convention of tests/test_docs_snippets.py).
+executed, each in a fresh namespace (the convention of
+tests/programs/test_docs_snippets.py).
 """
 
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = sorted(DOCS.glob("layer-*.md"))
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",

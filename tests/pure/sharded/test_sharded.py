@@ -1,4 +1,4 @@
-"""Run with 8 CPU devices, by tests/test_sharding.py (XLA_FLAGS must be set before
+"""Run with 8 CPU devices, by tests/pure/test_sharding.py (XLA_FLAGS must be set before
 JAX starts)."""
 
 import equinox as eqx

@@ -1,10 +1,10 @@
-"""Orbax checkpoints of sharded state, run in fresh processes by tests/test_orbax.py
-(JAX fixes its devices when it starts).
+"""Orbax checkpoints of sharded state, run in fresh processes by
+tests/checkpoint/test_orbax.py (JAX fixes its devices when it starts).
 
-    python tests/orbax_worker.py sharded DIR            # 8 devices, one process
-    python tests/orbax_worker.py save DIR ADDRESS N I   # process I of N, 4 devices
-                                                        # each; restores there too
-    python tests/orbax_worker.py restore DIR            # one process, one device
+    python tests/checkpoint/orbax_worker.py sharded DIR           # 8 devices
+    python tests/checkpoint/orbax_worker.py save DIR ADDRESS N I  # process I of N,
+                                        # 4 devices each; restores there too
+    python tests/checkpoint/orbax_worker.py restore DIR           # one device
 
 Each mode checks what it must and prints "OK" last.
 """

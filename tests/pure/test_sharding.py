@@ -1,7 +1,7 @@
 """Sharded state, data-parallel BatchNorm and shard_map, on 8 CPU devices.
 
 JAX fixes its device count when it starts, so these run in a fresh process with
-`XLA_FLAGS=--xla_force_host_platform_device_count=8` (tests/sharded/)."""
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (tests/pure/sharded/)."""
 
 import os
 import pathlib

@@ -59,7 +59,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-from _program_model import (
+from hypothesis import given, HealthCheck, settings, strategies as st
+
+import jaxstate
+from tests.programs._program_model import (
     arguments,
     batched_ok,
     build,
@@ -84,9 +87,6 @@ from _program_model import (
     values,
     W,
 )
-from hypothesis import given, HealthCheck, settings, strategies as st
-
-import jaxstate
 
 
 #

@@ -207,7 +207,7 @@ def test_two_processes_restore_in_place(two_process_run):
 
 
 def test_the_example_in_the_docs(tmp_path, monkeypatch):
-    page = pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md"
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
     (block,) = [
         b
         for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)

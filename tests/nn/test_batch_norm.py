@@ -4,7 +4,7 @@ eqx's layer, with its `State` threaded by hand, is the reference for modes "batc
 and "ema": outputs, running statistics and gradients must agree at every step,
 eagerly and compiled, and after switching to inference. The other two modes
 ("debiased", the default, and "flax") are checked against their rules written out
-here, and "flax" against Flax NNX's own layer; tests/test_nn_batch_norm_modes.py
+here, and "flax" against Flax NNX's own layer; tests/nn/test_batch_norm_modes.py
 checks what the default is for.
 """
 

@@ -1,5 +1,5 @@
 """`jaxstate.shard_map` on one device: eagerly, and inside each compiler. (Several
-devices: tests/test_sharding.py, in a subprocess.)"""
+devices: tests/pure/test_sharding.py, in a subprocess.)"""
 
 import jax
 import jax.numpy as jnp

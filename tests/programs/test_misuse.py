@@ -34,7 +34,7 @@ import pytest
 import jaxstate
 
 
-DOC = pathlib.Path(__file__).parent.parent / "docs" / "misuse.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "misuse.md"
 
 EXPECTED = {
     # values

@@ -16,7 +16,7 @@ import pytest
 import jaxstate
 
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 
 class Model(eqx.Module):
