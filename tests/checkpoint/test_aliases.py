@@ -12,25 +12,27 @@ import optax
 import pytest
 
 import jaxstate
+from tests.helpers import (
+    assert_same_state,
+    assert_unchanged,
+    LinearBatchNorm,
+    load_with_equinox,
+    ROUND_TRIPS,
+    save_with_equinox,
+    snapshot,
+)
 
 
-class Block(eqx.Module):
-    linear: eqx.nn.Linear
-    bn: jaxstate.nn.BatchNorm
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(3, 3, key=key)
-        self.bn = jaxstate.nn.BatchNorm(3, "batch")
-
-    def __call__(self, x):
-        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+def Block(key):
+    """`LinearBatchNorm` from 3 to 3 features, with only the BatchNorm's state."""
+    return LinearBatchNorm(key, 3, 3, count_calls=False)
 
 
 class Twice(eqx.Module):
     """Applies one block twice: `first` and `second` are the same layer."""
 
-    first: Block
-    second: Block
+    first: LinearBatchNorm
+    second: LinearBatchNorm
 
     def __init__(self, key):
         self.first = self.second = Block(key)
@@ -49,17 +51,6 @@ def _trained_twice(steps=2):
     for i in range(steps):
         step(model, _batch(i))
     return model
-
-
-def _host(tree):
-    return {k: np.asarray(v) for k, v in jaxstate.state_dict(tree).items()}
-
-
-def _assert_same(a, b):
-    ha, hb = _host(a), _host(b)
-    assert list(ha) == list(hb)
-    for name in ha:
-        np.testing.assert_array_equal(ha[name], hb[name], err_msg=name)
 
 
 def test_a_layer_used_twice_is_named_once():
@@ -83,19 +74,11 @@ def test_a_layer_used_twice_is_named_once():
     assert jaxstate.state_dict(model)["first.bn.counter"] == 4  # two calls per step
 
 
-@pytest.mark.parametrize("how", ["state_dict", "save", "tree_serialise_leaves"])
+@pytest.mark.parametrize("how", ROUND_TRIPS)
 def test_a_layer_used_twice_round_trips(how, tmp_path):
     model = _trained_twice()
-    like = Twice(jax.random.key(1))
-    if how == "state_dict":
-        out = jaxstate.load_state_dict(like, jaxstate.state_dict(model))
-    elif how == "save":
-        jaxstate.save(tmp_path / "m.npz", model)
-        out = jaxstate.load(tmp_path / "m.npz", like)
-    else:
-        jaxstate.tree_serialise_leaves(tmp_path / "m.eqx", model)
-        out = jaxstate.tree_deserialise_leaves(tmp_path / "m.eqx", like)
-    _assert_same(out, model)
+    out = ROUND_TRIPS[how](model, Twice(jax.random.key(1)), tmp_path)
+    assert_same_state(out, model)
     # Still one state: a step through one path is seen through the other.
     jaxstate.jit(lambda m, x: m(x))(out, _batch(5))
     assert out.first.bn.counter.unsafe_get() == out.second.bn.counter.unsafe_get() == 6
@@ -105,7 +88,6 @@ def test_aliases_are_accepted_and_must_agree():
     model = _trained_twice()
     mapping = jaxstate.state_dict(model)
     like = Twice(jax.random.key(1))
-    before = _host(like)
     # The state under its alias only ...
     renamed = {
         k.replace("first.bn.counter", "second.bn.counter"): v
@@ -117,15 +99,13 @@ def test_aliases_are_accepted_and_must_agree():
     jaxstate.load_state_dict(like, {**mapping, "second.bn.counter": np.int32(4)})
     # Disagreeing names are an error naming both, and change nothing.
     jaxstate.load_state_dict(like, jaxstate.state_dict(Twice(jax.random.key(2))))
-    before = _host(like)
+    before = snapshot(like)
     with pytest.raises(ValueError, match=r"'first.bn.batch_state\[0\]' and "):
         jaxstate.load_state_dict(
             like,
             {**mapping, "second.bn.batch_state[0]": np.zeros(3, np.float32)},
         )
-    after = _host(like)
-    for name in before:
-        np.testing.assert_array_equal(before[name], after[name], err_msg=name)
+    assert_unchanged(like, before)
 
 
 OPTIM = optax.adam(1e-2)
@@ -156,24 +136,15 @@ def test_the_optax_state_holds_the_models_indices():
     assert not any(".mu.bn.counter" in n or ".nu.bn.batch" in n for n in names)
 
 
-@pytest.mark.parametrize("how", ["state_dict", "save", "tree_serialise_leaves"])
+@pytest.mark.parametrize("how", ROUND_TRIPS)
 def test_model_and_adam_state_round_trip(how, tmp_path):
     model, opt_state = _train(*_adam_setup(0), 3)
-    like_model, like_opt = _adam_setup(1)
-    like = (like_model, like_opt)
-    if how == "state_dict":
-        out = jaxstate.load_state_dict(like, jaxstate.state_dict((model, opt_state)))
-    elif how == "save":
-        jaxstate.save(tmp_path / "ckpt.npz", (model, opt_state))
-        out = jaxstate.load(tmp_path / "ckpt.npz", like)
-    else:
-        jaxstate.tree_serialise_leaves(tmp_path / "ckpt.eqx", (model, opt_state))
-        out = jaxstate.tree_deserialise_leaves(tmp_path / "ckpt.eqx", like)
-    _assert_same(out, (model, opt_state))
+    out = ROUND_TRIPS[how]((model, opt_state), _adam_setup(1), tmp_path)
+    assert_same_state(out, (model, opt_state))
     # Training resumes exactly where it stopped.
     resumed, _ = _train(*out, 2, start=3)
     reference, _ = _train(model, opt_state, 2, start=3)
-    _assert_same(resumed, reference)
+    assert_same_state(resumed, reference)
 
 
 def _records(buffer: bytes) -> list[str]:
@@ -193,12 +164,7 @@ def test_equinox_streams_hold_a_shared_state_once():
     assert _records(buffer.getvalue()) == ["state", "state", "alias", "alias"]
     # Equinox's own function with jaxstate's filter spec writes the same.
     other = io.BytesIO()
-    eqx.tree_serialise_leaves(
-        other,
-        model,
-        filter_spec=jaxstate.serialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
+    save_with_equinox(other, model)
     assert other.getvalue() == buffer.getvalue()
 
 
@@ -208,24 +174,14 @@ def test_equinox_filter_specs_keep_sharing_in_fresh_states():
     jaxstate.tree_serialise_leaves(buffer, model)
     like = Twice(jax.random.key(1))
     buffer.seek(0)
-    out = eqx.tree_deserialise_leaves(
-        buffer,
-        like,
-        filter_spec=jaxstate.deserialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
-    _assert_same(out, model)
+    out = load_with_equinox(buffer, like)
+    assert_same_state(out, model)
     assert like.first.bn.counter.unsafe_get() == 0  # `like` is left alone
     jaxstate.jit(lambda m, x: m(x))(out, _batch(5))
     assert out.first.bn.counter.unsafe_get() == out.second.bn.counter.unsafe_get() == 6
     # Reading the same stream again gives new states again.
     buffer.seek(0)
-    again = eqx.tree_deserialise_leaves(
-        buffer,
-        like,
-        filter_spec=jaxstate.deserialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
+    again = load_with_equinox(buffer, like)
     assert again.first.bn.counter.unsafe_get() == 4
     assert again.second.bn.counter.unsafe_get() == 4
 
@@ -235,8 +191,8 @@ def test_sharing_that_differs_from_the_file_is_an_error(tmp_path):
     jaxstate.tree_serialise_leaves(tmp_path / "twice.eqx", model)
 
     class Two(eqx.Module):  # the same structure, two separate blocks
-        first: Block
-        second: Block
+        first: LinearBatchNorm
+        second: LinearBatchNorm
 
     separate = Two(Block(jax.random.key(1)), Block(jax.random.key(2)))
     with pytest.raises(ValueError, match="shares its state with an earlier one"):

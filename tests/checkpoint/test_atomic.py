@@ -13,6 +13,12 @@ import pytest
 
 import jaxstate
 from jaxstate import _state_dict
+from tests.helpers import (
+    assert_unchanged,
+    load_with_equinox,
+    save_with_equinox,
+    snapshot,
+)
 
 
 class Model(eqx.Module):
@@ -27,19 +33,6 @@ class Model(eqx.Module):
         self.a = jaxstate.StateIndex(init=jnp.array(seed, jnp.int32))
         self.b = jaxstate.StateIndex(init={"x": jnp.full(2, float(seed))})
         self.c = jaxstate.StateIndex(init=jnp.full(4, seed, last_dtype))
-
-
-def snapshot(model) -> dict:
-    """Bytes of every state and array (names as in state_dict)."""
-    out = {}
-    for name, value in jaxstate.state_dict(model).items():
-        host = np.asarray(value)
-        out[name] = (str(host.dtype), host.shape, host.tobytes())
-    return out
-
-
-def assert_unchanged(model, before):
-    assert snapshot(model) == before
 
 
 @pytest.fixture
@@ -61,6 +54,14 @@ def test_load_state_dict_fails_on_the_last_state(model, source):
     assert_unchanged(model, before)
     mapping["c"] = np.zeros(5, jnp.bfloat16)
     with pytest.raises(ValueError, match=r"entry 'c' has shape \(5,\)"):
+        jaxstate.load_state_dict(model, mapping)
+    assert_unchanged(model, before)
+
+
+def test_a_bad_leaf_inside_a_state_is_named_by_its_path(model, source):
+    before = snapshot(model)
+    mapping = {**jaxstate.state_dict(source), "b['x']": np.zeros(2, np.float64)}
+    with pytest.raises(ValueError, match=r"b\['x'\].*has dtype"):
         jaxstate.load_state_dict(model, mapping)
     assert_unchanged(model, before)
 
@@ -148,21 +149,11 @@ def test_from_pure_checks_every_state_first(model):
 def test_equinox_filter_specs_never_touch_like(model, tmp_path):
     source = Model(2, last_dtype=jnp.float32)
     buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(
-        buffer,
-        source,
-        filter_spec=jaxstate.serialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
+    save_with_equinox(buffer, source)
     before = snapshot(model)
     buffer.seek(0)
     with pytest.raises(RuntimeError) as info:
-        eqx.tree_deserialise_leaves(
-            buffer,
-            model,
-            filter_spec=jaxstate.deserialise_filter_spec,
-            is_leaf=jaxstate.is_state_index,
-        )
+        load_with_equinox(buffer, model)
     assert "bfloat16[4] should be here, but the file has an array of float32[4]" in str(
         info.value.__cause__.__cause__
     )

@@ -3,7 +3,6 @@
 
 import io
 import os
-import pathlib
 import re
 
 import equinox as eqx
@@ -14,21 +13,22 @@ import optax
 import pytest
 
 import jaxstate
+from tests.helpers import (
+    assert_same_state,
+    LinearBatchNorm,
+    load_with_equinox,
+    ROOT,
+    save_with_equinox,
+    snapshot,
+)
 
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 
 
-class Model(eqx.Module):
-    linear: eqx.nn.Linear
-    bn: jaxstate.nn.BatchNorm
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(3, 4, key=key)
-        self.bn = jaxstate.nn.BatchNorm(4, "batch")
-
-    def __call__(self, x):
-        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+def Model(key):
+    """`LinearBatchNorm` with only the BatchNorm's state."""
+    return LinearBatchNorm(key, count_calls=False)
 
 
 def _trained(key=0, steps=2):
@@ -38,10 +38,6 @@ def _trained(key=0, steps=2):
             model, jax.random.normal(jax.random.key(10 + i), (8, 3))
         )
     return model
-
-
-def _bits(tree) -> dict:
-    return {k: np.asarray(v).tobytes() for k, v in jaxstate.state_dict(tree).items()}
 
 
 def test_the_readme_recipe(tmp_path, monkeypatch):
@@ -56,20 +52,20 @@ def test_the_readme_recipe(tmp_path, monkeypatch):
     model = _trained()
     optim = optax.adam(1e-3)
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
-    saved = _bits((model, opt_state))
+    saved = snapshot((model, opt_state))
     namespace = {"eqx": eqx, "jaxstate": jaxstate, "model": model}
     namespace["opt_state"] = opt_state
     exec(block, namespace)
-    assert _bits((namespace["model"], namespace["opt_state"])) == saved
+    assert snapshot((namespace["model"], namespace["opt_state"])) == saved
     # Each file it wrote loads into a fresh model with its state.
     fresh = Model(jax.random.key(5))
     loaded = jaxstate.tree_deserialise_leaves("model.eqx", fresh)
-    assert _bits(loaded) == _bits(model)
+    assert_same_state(loaded, model)
     assert fresh.bn.counter.unsafe_get() == 2
     fresh = Model(jax.random.key(6))
     fresh_opt = optim.init(eqx.filter(fresh, eqx.is_inexact_array))
     loaded = jaxstate.load("model.npz", (fresh, fresh_opt))
-    assert _bits(loaded) == saved
+    assert snapshot(loaded) == saved
 
 
 def test_plain_equinox_drops_the_state_and_jaxstate_notices(tmp_path):
@@ -97,20 +93,15 @@ def test_file_objects_suffixes_and_the_same_bytes_as_equinox(tmp_path):
     jaxstate.tree_serialise_leaves(tmp_path / "model", model)  # gets `.eqx`
     assert os.listdir(tmp_path) == ["model.eqx"]
     buffer = io.BytesIO()
-    eqx.tree_serialise_leaves(
-        buffer,
-        model,
-        filter_spec=jaxstate.serialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
+    save_with_equinox(buffer, model)
     assert (tmp_path / "model.eqx").read_bytes() == buffer.getvalue()
     buffer.seek(0)
     loaded = jaxstate.tree_deserialise_leaves(buffer, Model(jax.random.key(1)))
-    assert _bits(loaded) == _bits(model)
+    assert_same_state(loaded, model)
     loaded = jaxstate.tree_deserialise_leaves(
         tmp_path / "model", Model(jax.random.key(2))
     )
-    assert _bits(loaded) == _bits(model)
+    assert_same_state(loaded, model)
 
 
 def test_parameters_are_written_as_equinox_writes_them(tmp_path):
@@ -127,7 +118,7 @@ def test_parameters_are_written_as_equinox_writes_them(tmp_path):
         out = jaxstate.tree_deserialise_leaves(tmp_path / f"{writer}.eqx", like)
         if reader == "a":
             out = eqx.tree_deserialise_leaves(tmp_path / f"{writer}.eqx", like)
-        assert _bits(out) == _bits(mlp)
+        assert_same_state(out, mlp)
 
 
 def test_interrupted_save_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -154,21 +145,22 @@ def test_custom_filter_spec_and_is_leaf(tmp_path):
     def skip_read(f, x):
         return x
 
-    write = Model.__new__(Model)
-    read = Model.__new__(Model)
+    write = LinearBatchNorm.__new__(LinearBatchNorm)
+    read = LinearBatchNorm.__new__(LinearBatchNorm)
     for spec, default, obj in [
         (skip_write, jaxstate.serialise_filter_spec, write),
         (skip_read, jaxstate.deserialise_filter_spec, read),
     ]:
         object.__setattr__(obj, "linear", spec)
-        object.__setattr__(obj, "bn", default)
+        for field in ("bn", "calls", "last"):
+            object.__setattr__(obj, field, default)
     jaxstate.tree_serialise_leaves(
         tmp_path / "m.eqx", model, write, is_leaf=lambda x: x is None
     )
     like = Model(jax.random.key(1))
     out = jaxstate.tree_deserialise_leaves(tmp_path / "m.eqx", like, read)
-    assert _bits(out.bn) == _bits(model.bn)  # state included
-    assert _bits(out.linear) == _bits(like.linear)  # skipped
+    assert_same_state(out.bn, model.bn)  # state included
+    assert_same_state(out.linear, like.linear)  # skipped
 
 
 def test_is_leaf_hiding_an_index_is_an_error(tmp_path):
@@ -192,19 +184,11 @@ def test_an_ensemble_through_equinox_filter_specs(tmp_path):
     ensemble = make(jax.random.split(jax.random.key(0), 3))
     run = eqx.filter_vmap(lambda m, x: m(x))
     run(ensemble, jax.random.normal(jax.random.key(1), (3, 8, 3)))
-    eqx.tree_serialise_leaves(
-        tmp_path / "ens.eqx",
-        ensemble,
-        filter_spec=jaxstate.serialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
+    save_with_equinox(tmp_path / "ens.eqx", ensemble)
+    out = load_with_equinox(
+        tmp_path / "ens.eqx", make(jax.random.split(jax.random.key(9), 3))
     )
-    out = eqx.tree_deserialise_leaves(
-        tmp_path / "ens.eqx",
-        make(jax.random.split(jax.random.key(9), 3)),
-        filter_spec=jaxstate.deserialise_filter_spec,
-        is_leaf=jaxstate.is_state_index,
-    )
-    assert _bits(out) == _bits(ensemble)
+    assert_same_state(out, ensemble)
     # The new states keep their batch axes: the ensemble steps as before.
     x = jax.random.normal(jax.random.key(2), (3, 8, 3))
     np.testing.assert_allclose(run(out, x), run(ensemble, x), rtol=1e-6)
@@ -226,7 +210,7 @@ def test_into_a_model_built_by_filter_eval_shape(tmp_path):
         like = eqx.filter_eval_shape(Model, jax.random.key(1))
         assert isinstance(like.linear.weight, jax.ShapeDtypeStruct)
         out = load(like)
-        assert _bits(out) == _bits(model)
+        assert_same_state(out, model)
         assert out.bn.counter.unsafe_get() == 2
 
 
@@ -243,4 +227,4 @@ def test_inference_mode_models_load_too(tmp_path):
         Model(jax.random.key(3)),
     ):
         out = jaxstate.tree_deserialise_leaves(tmp_path / "m.eqx", like)
-        assert _bits(out) == _bits(model)
+        assert_same_state(out, model)

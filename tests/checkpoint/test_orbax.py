@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxstate
+from tests.helpers import assert_same_state, assert_unchanged, ROOT, snapshot
 
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -47,15 +48,6 @@ def _setup(seed):
     return model, optim.init(eqx.filter(model, eqx.is_inexact_array)), optim
 
 
-def _bits(tree) -> dict:
-    out = {}
-    for name, value in jaxstate.state_dict(tree).items():
-        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
-            value = jax.random.key_data(value)
-        out[name] = np.asarray(value).tobytes()
-    return out
-
-
 def _restore(manager, step, like):
     target = jaxstate.checkpoint_tree(like, abstract=True)
     restored = manager.restore(step, args=ocp.args.StandardRestore(target))
@@ -80,7 +72,7 @@ def test_checkpoint_manager_with_a_model_and_its_adam_state(tmp_path):
         for i in range(4):
             model, opt_state = step(model, opt_state, jnp.full((8, 3), float(i)))
             tree = jaxstate.checkpoint_tree((model, opt_state))
-            saved[i] = _bits((model, opt_state))
+            saved[i] = snapshot((model, opt_state))
             manager.save(i, args=ocp.args.StandardSave(tree))  # asynchronous
         manager.wait_until_finished()
         assert manager.all_steps() == [2, 3]
@@ -88,16 +80,16 @@ def test_checkpoint_manager_with_a_model_and_its_adam_state(tmp_path):
         for i in (3, 2):
             like_model, like_opt, _ = _setup(i + 10)
             out = _restore(manager, i, (like_model, like_opt))
-            assert _bits(out) == saved[i]
+            assert snapshot(out) == saved[i]
             # The state is loaded in place: `like` holds it too.
-            assert _bits(like_model.rng) == _bits(out[0].rng)
-            assert _bits(like_model.bn.batch_state) == _bits(out[0].bn.batch_state)
+            assert_same_state(like_model.rng, out[0].rng)
+            assert_same_state(like_model.bn.batch_state, out[0].bn.batch_state)
 
     # Training resumes exactly: two more steps from step 2 give step 3's values
     # plus one.
     resumed, resumed_opt = out
     resumed, resumed_opt = step(resumed, resumed_opt, jnp.full((8, 3), 3.0))
-    assert _bits((resumed, resumed_opt)) == saved[3]
+    assert snapshot((resumed, resumed_opt)) == saved[3]
 
 
 def test_a_mismatch_is_an_error_and_changes_nothing(tmp_path):
@@ -107,7 +99,7 @@ def test_a_mismatch_is_an_error_and_changes_nothing(tmp_path):
         manager.wait_until_finished()
         restored = manager.restore(0)  # without a target: as saved
     like = Model(jax.random.key(1))
-    before = _bits(like)
+    before = snapshot(like)
     # The key stored under another implementation's name.
     bad = {**restored, "rng['key']": {"threefry2x32": jnp.zeros(2, jnp.uint32)}}
     with pytest.raises(ValueError, match="PRNG keys of key<fry>"):
@@ -119,9 +111,9 @@ def test_a_mismatch_is_an_error_and_changes_nothing(tmp_path):
         jaxstate.load_checkpoint_tree(
             like, {k: v for k, v in restored.items() if k != "bn.counter"}
         )
-    assert _bits(like) == before
+    assert_unchanged(like, before)
     out = jaxstate.load_checkpoint_tree(like, restored)
-    assert _bits(out) == _bits(model)
+    assert_same_state(out, model)
 
 
 def test_the_tree_orbax_sees():
@@ -207,7 +199,7 @@ def test_two_processes_restore_in_place(two_process_run):
 
 
 def test_the_example_in_the_docs(tmp_path, monkeypatch):
-    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
+    page = ROOT / "docs" / "checkpoints.md"
     (block,) = [
         b
         for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
@@ -223,5 +215,5 @@ def test_the_example_in_the_docs(tmp_path, monkeypatch):
     for step in range(21):
         xs = jax.random.normal(jax.random.key(step), (32, 3))
         reference, reference_opt = namespace["train_step"](reference, reference_opt, xs)
-    assert _bits((model, opt_state)) == _bits((reference, reference_opt))
-    assert _bits(like[0].bn.batch_state) == _bits(reference.bn.batch_state)
+    assert_same_state((model, opt_state), (reference, reference_opt))
+    assert_same_state(like[0].bn.batch_state, reference.bn.batch_state)

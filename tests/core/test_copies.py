@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import COMPILERS
 
 
 class Model(eqx.Module):
@@ -42,14 +43,6 @@ def _step(model, x):
 
 def _eager(model, x):
     return _step(model, x)
-
-
-COMPILERS = {
-    "eager": lambda f: f,
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
 
 
 def _deepcopy(m):

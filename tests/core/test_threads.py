@@ -5,6 +5,7 @@ import threading
 import jax.numpy as jnp
 
 import jaxstate
+from tests.helpers import run_python
 
 
 def test_eight_threads_lose_no_update():
@@ -97,14 +98,7 @@ def test_a_host_callback_reading_its_own_call_state_is_refused_not_deadlocked():
 def _run_alone(script: str, last_words: str) -> None:
     """Runs `script` in a fresh Python, which must print `last_words` within two
     minutes (a deadlock there fails this test rather than hanging the suite)."""
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert last_words in result.stdout
+    assert last_words in run_python("-c", script, timeout=120).stdout
 
 
 _FINALISER_READS_STATE = """

@@ -33,8 +33,6 @@ wanted behaviour where it is not what happens (they flip to failures when fixed)
 
 import functools
 import json
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -45,13 +43,7 @@ import pytest
 from jax.experimental import checkify
 
 import jaxstate
-
-
-COMPILERS = {
-    "jax.jit": jax.jit,
-    "jaxstate.jit": jaxstate.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-}
+from tests.helpers import COMPILERS, JITS, run_python
 
 
 class Boom(Exception):
@@ -187,12 +179,12 @@ WHERE = {
 
 
 @pytest.mark.parametrize("where", list(WHERE))
-@pytest.mark.parametrize("compiler", list(COMPILERS))
+@pytest.mark.parametrize("compiler", list(JITS))
 def test_exception_while_tracing_changes_nothing(compiler, where):
     model = Model()
     fail = [True]
     body = WHERE[where]
-    step = COMPILERS[compiler](lambda model, x: body(model, x, fail))
+    step = JITS[compiler](lambda model, x: body(model, x, fail))
     before = model.snapshot()
     x = jnp.arange(3.0) * 10
     with pytest.raises(Boom):
@@ -267,11 +259,11 @@ def _checked_step(model, x):
 
 
 @pytest.mark.parametrize("order", ["checkify(jit(step))", "jit(checkify(step))"])
-@pytest.mark.parametrize("compiler", ["eager", *COMPILERS])
+@pytest.mark.parametrize("compiler", list(COMPILERS))
 def test_checkify_errors_are_values(compiler, order):
     model = Model()
     before = model.snapshot()
-    compile = (lambda f: f) if compiler == "eager" else COMPILERS[compiler]
+    compile = COMPILERS[compiler]
     if order == "checkify(jit(step))":
         step = checkify.checkify(compile(_checked_step))
     else:
@@ -281,8 +273,7 @@ def test_checkify_errors_are_values(compiler, order):
     np.testing.assert_array_equal(total, before[0])
     transactional = compiler == "jaxstate.jit" and order == "jit(checkify(step))"
     if transactional:  # the step ran to the end, and its writes were dropped
-        for now, then in zip(model.snapshot(), before, strict=True):
-            np.testing.assert_array_equal(now, then)
+        _assert_unchanged(model, before)
     else:
         _assert_written_once(model, before, x)  # the step ran to the end
     with pytest.raises(checkify.JaxRuntimeError, match="x must be positive"):
@@ -361,13 +352,7 @@ print(json.dumps(results))
 
 @functools.cache
 def _debug_nans() -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", _DEBUG_NANS_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_python("-c", _DEBUG_NANS_SCRIPT, timeout=300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -378,7 +363,7 @@ def test_debug_nans_eager_raises_at_the_nan_after_earlier_writes():
     assert r["state"] == [2.0, 2.0], r
 
 
-@pytest.mark.parametrize("compiler", list(COMPILERS))
+@pytest.mark.parametrize("compiler", list(JITS))
 def test_debug_nans_without_a_nan_is_harmless(compiler):
     r = _debug_nans()[f"{compiler}-no-nan"]
     assert r["raised"] is None and r["state"] == [2.0, 2.0], r
@@ -449,7 +434,7 @@ def _readable_and_one_of(index, *candidates):
 
 def _compile(compiler, how, fn, index):
     """The step, with the state passed as an argument or closed over."""
-    compiled = COMPILERS[compiler](fn if how == "argument" else lambda x: fn(index, x))
+    compiled = JITS[compiler](fn if how == "argument" else lambda x: fn(index, x))
     if how == "argument":
         return lambda x: compiled(index, x)
     return compiled

@@ -11,25 +11,11 @@ import numpy as np
 import pytest
 
 import jaxstate
-
-
-class Net(eqx.Module):
-    linear: eqx.nn.Linear
-    bn: jaxstate.nn.BatchNorm
-    steps: jaxstate.StateIndex
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(4, 3, key=key)
-        self.bn = jaxstate.nn.BatchNorm(3, "batch")
-        self.steps = jaxstate.StateIndex(init=jnp.array(0))
-
-    def __call__(self, x):
-        jaxstate.set_state(self.steps, jaxstate.get_state(self.steps) + 1)
-        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+from tests.helpers import LinearBatchNorm
 
 
 def _train(compile, key, xs):
-    model = Net(key)
+    model = LinearBatchNorm(key, 4, 3)
 
     def step(model, x):
         loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
@@ -41,7 +27,7 @@ def _train(compile, key, xs):
     for x in xs:
         model, loss = step(model, x)
         losses.append(loss)
-    states = [model.bn.counter, model.bn.batch_state, model.steps]
+    states = [model.bn.counter, model.bn.batch_state, model.calls]
     return losses, [s.unsafe_get() for s in states], model
 
 
@@ -70,10 +56,10 @@ def test_one_compile_serves_every_model_and_keeps_none_alive(collect):
     start = len(jax.live_arrays())
     storages = []
     for i in range(20):
-        model = Net(jax.random.key(i))
+        model = LinearBatchNorm(jax.random.key(i), 4, 3)
         step(model, x)
-        storages.append(weakref.ref(model.steps._handle.storage))
-        assert model.steps.unsafe_get() == 1
+        storages.append(weakref.ref(model.calls._handle.storage))
+        assert model.calls.unsafe_get() == 1
         del model
     collect()
     assert len(traces) == 1 and len(step.cache) == 1
@@ -96,17 +82,17 @@ def test_updates_are_donated_and_in_place():
 
 
 def test_no_callbacks_in_compiled_code():
-    model = Net(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 4, 3)
     text = jaxstate.jit(lambda m, x: m(x)).lower(model, jnp.ones((8, 4))).as_text()
     assert "callback" not in text.lower().replace("jaxstate", "")
     assert "custom_call" not in text
 
 
 def test_returned_models_and_indices_share_the_state():
-    model = Net(jax.random.key(0))
-    same, index = jaxstate.jit(lambda m: (m, m.steps))(model)
+    model = LinearBatchNorm(jax.random.key(0), 4, 3)
+    same, index = jaxstate.jit(lambda m: (m, m.calls))(model)
     jaxstate.set_state(index, jnp.array(7))
-    assert model.steps.unsafe_get() == 7 and same.steps.unsafe_get() == 7
+    assert model.calls.unsafe_get() == 7 and same.calls.unsafe_get() == 7
 
 
 def test_the_same_index_twice_is_one_state():
@@ -148,17 +134,17 @@ def test_inside_other_transforms_it_traces_through():
 
 
 def test_inference_models_read_the_latest_state_without_retrace():
-    model = Net(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 4, 3)
     frozen = jaxstate.tree_inference(model, True)
     traces = []
 
     @jaxstate.jit
     def predict(m, x):
         traces.append(None)
-        return jaxstate.get_state(m.steps) + 0 * jnp.sum(m(x) if False else x)
+        return jaxstate.get_state(m.calls) + 0 * jnp.sum(m(x) if False else x)
 
     assert predict(frozen, jnp.ones(2)) == 0
-    jaxstate.set_state(model.steps, jnp.array(41))
+    jaxstate.set_state(model.calls, jnp.array(41))
     assert predict(frozen, jnp.ones(2)) == 41
     assert len(traces) == 1
 

@@ -16,13 +16,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import jaxstate
 from jaxstate.nn import CachedSelfAttention, KVCache
+from tests.helpers import assert_unchanged, JITS, snapshot
 
 
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
 TOL = dict(rtol=1e-5, atol=1e-5)
 VOCAB, DIM, HEADS, MAX_LEN = 11, 16, 2, 12
 
@@ -281,17 +277,11 @@ def test_overflow_eager_raises_and_leaves_cache():
     cache = KVCache(4, 2, 3)
     k = jnp.ones((3, 2, 3))
     cache.append(k, k)
-    before = jax.tree.map(np.asarray, cache.buffers.unsafe_get())
+    before = snapshot(cache)
     with pytest.raises(ValueError, match="do not fit.*reset"):
         cache.append(k[:2], k[:2])
     assert int(cache.length()) == 3
-    for got, want in zip(cache.buffers.unsafe_get(), before):
-        np.testing.assert_array_equal(got, want)
-
-
-def _cache_state(model: TinyLM):
-    cache = model.blocks[0].attn.cache
-    return [np.asarray(x) for x in (*cache.buffers.unsafe_get(), cache.length())]
+    assert_unchanged(cache, before)
 
 
 def test_overflow_compiled_raises_and_jaxstate_jit_keeps_cache():
@@ -303,11 +293,10 @@ def test_overflow_compiled_raises_and_jaxstate_jit_keeps_cache():
     tokens = _tokens(MAX_LEN)
     step(model, tokens[:-2])
     step(model, tokens[-2:-1])
-    before = _cache_state(model)
+    before = snapshot(model)
     with pytest.raises(Exception, match="do not fit in max_len=12"):
         step(model, tokens[:2])  # needs 2 positions, 1 is left
-    for got, want in zip(_cache_state(model), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(model, before)
     assert [int(n) for n in _lengths(model)] == [MAX_LEN - 1] * 2
     # The last position is still usable, and gives the full pass's logits.
     last = step(model, tokens[-1:])
@@ -335,16 +324,14 @@ def test_overflow_nan_mode_gives_nan_and_leaves_cache(jit):
     tokens = _tokens(MAX_LEN)
     step(model, tokens[:-2])
     step(model, tokens[-2:-1])
-    before = _cache_state(model)
+    before = snapshot(model)
     out = step(model, tokens[:2])  # needs 2 positions, 1 is left
     assert np.all(np.isnan(out))
-    for got, want in zip(_cache_state(model), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(model, before)
     # Eagerly the same: NaN, no error, nothing stored.
     out = model(tokens[:2], use_cache=True)
     assert np.all(np.isnan(out))
-    for got, want in zip(_cache_state(model), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(model, before)
     last = step(model, tokens[-1:])
     np.testing.assert_allclose(last, _full(model, tokens)[-1:], **TOL)
 

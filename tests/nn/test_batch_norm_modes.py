@@ -9,7 +9,6 @@ where it matters, in inference early in training.
 """
 
 import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -18,9 +17,9 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import ROOT
 
 
-ROOT = Path(__file__).resolve().parents[2]
 C, B = 3, 16
 TOL = dict(rtol=1e-5, atol=1e-5)
 

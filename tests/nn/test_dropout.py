@@ -14,13 +14,9 @@ import pytest
 
 import jaxstate
 from jaxstate.nn import Dropout, RNGStream
+from tests.helpers import JITS
 
 
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
 P = 0.3
 
 

@@ -8,13 +8,9 @@ import pytest
 
 import jaxstate
 from jaxstate.nn import EMA
+from tests.helpers import assert_unchanged, JITS, snapshot
 
 
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
 DECAY = 0.8
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -162,7 +158,7 @@ def test_mismatched_model_raises_and_leaves_average():
     model = Model(jax.random.key(0))
     ema = EMA(model, DECAY)
     ema.update(_perturbed(model, 1))
-    before = [np.asarray(x) for x in ema.shadow.unsafe_get()]
+    before = snapshot(ema)
     wrong_shape = eqx.tree_at(lambda m: m.second.bias, model, jnp.zeros(3))
     with pytest.raises(ValueError, match=r"\.second\.bias.*\(2,\).*\(3,\)"):
         ema.update(wrong_shape)
@@ -178,8 +174,7 @@ def test_mismatched_model_raises_and_leaves_average():
         )
     with pytest.raises(ValueError, match="no parameter"):
         ema.apply(model.first)
-    for got, want in zip(ema.shadow.unsafe_get(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(ema, before)
     assert int(ema.step_count()) == 1
 
 

@@ -6,9 +6,6 @@ The reference for a batch of prompts is each prompt decoded alone, unpadded, by 
 model with a single-sequence cache and the same parameters.
 """
 
-import subprocess
-import sys
-
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -19,13 +16,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 import jaxstate
 from jaxstate.nn import CachedSelfAttention, KVCache
+from tests.helpers import assert_unchanged, JITS, run_python, snapshot
 
 
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
 TOL = dict(rtol=1e-5, atol=1e-5)
 VOCAB, DIM, HEADS, MAX_LEN = 13, 16, 2, 16
 
@@ -170,7 +163,7 @@ def test_bad_padding_mask_raises_and_leaves_cache(wrong_type_raises):
     attn = model.layers[0]
     x = jnp.ones((3, DIM))
     attn(x, use_cache=True)
-    before = [np.asarray(b) for b in attn.cache.buffers.unsafe_get()]
+    before = snapshot(attn.cache)
     for bad in [jnp.ones(4, bool), jnp.ones(3, jnp.int32), jnp.ones((3, 1), bool)]:
         with wrong_type_raises(
             ValueError, match=r"boolean padding_mask of shape \(3,\)"
@@ -179,8 +172,7 @@ def test_bad_padding_mask_raises_and_leaves_cache(wrong_type_raises):
         with wrong_type_raises(ValueError, match=r"padding_mask of shape \(3,\)"):
             attn.cache.append(jnp.ones((3, 2, 8)), jnp.ones((3, 2, 8)), bad)
     assert int(attn.cache.length()) == 3
-    for got, want in zip(attn.cache.buffers.unsafe_get(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(attn.cache, before)
 
 
 #
@@ -283,26 +275,24 @@ def test_overflow_batched_eager_raises_before_writing():
     jax.vmap(lambda k, m: cache.append(k, k, m))(
         k, jnp.array([[1, 1, 1], [1, 0, 0]], bool)
     )
-    before = [np.asarray(b) for b in cache.buffers.unsafe_get()]
+    before = snapshot(cache)
     with pytest.raises(
         ValueError, match=r"2 new token\(s\) after 3 .*max_len=4 \(sequence 0\)"
     ):
         jax.vmap(lambda k: cache.append(k, k))(k[:, :2])
     np.testing.assert_array_equal(cache.length(), [3, 1])
-    for got, want in zip(cache.buffers.unsafe_get(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(cache, before)
 
 
 def test_overflow_batched_compiled_raises_and_keeps_state():
     cache = KVCache(4, 2, 3, batch_size=2)
     step = jaxstate.jit(lambda c, k: jax.vmap(lambda k: c.append(k, k)[2])(k))
     step(cache, jnp.ones((2, 3, 2, 3)))
-    before = [np.asarray(b) for b in cache.buffers.unsafe_get()]
+    before = snapshot(cache)
     with pytest.raises(Exception, match="do not fit in max_len=4"):
         step(cache, jnp.ones((2, 2, 2, 3)))
     np.testing.assert_array_equal(cache.length(), [3, 3])
-    for got, want in zip(cache.buffers.unsafe_get(), before):
-        np.testing.assert_array_equal(got, want)
+    assert_unchanged(cache, before)
 
     # Inside a scan, too: the decode loop fails, the cache is as it was before.
     def loop(c, k):
@@ -398,8 +388,5 @@ step(attn, x)
 step(attn, x[:, :1])
 print(attn.cache.length().tolist(), attn.cache.dtype)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", code, timeout=300)
     assert out.stdout.split() == ["[4,", "4]", "float64"]

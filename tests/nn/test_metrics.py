@@ -9,13 +9,7 @@ import pytest
 
 import jaxstate
 from jaxstate.nn import Accuracy, Counter, Mean
-
-
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
+from tests.helpers import JITS
 
 
 def _batches(n: int, size: int = 6, seed: int = 0):

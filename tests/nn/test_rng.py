@@ -14,13 +14,7 @@ import pytest
 
 import jaxstate
 from jaxstate.nn import RNGStream
-
-
-JITS = {
-    "jax.jit": jax.jit,
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-}
+from tests.helpers import JITS
 
 
 def _data(key) -> np.ndarray:

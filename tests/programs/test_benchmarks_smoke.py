@@ -8,13 +8,13 @@ measured but never asserted on.
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,10 +1,10 @@
 """Smoke test of `examples/decode_kv_cache.py`, with small settings."""
 
 import importlib.util
-import pathlib
+
+from tests.helpers import ROOT
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "decode_kv_cache.py"
 
 

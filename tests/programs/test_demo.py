@@ -1,16 +1,17 @@
 """The digits demo (examples/train_digits.py) trains, evaluates and reports."""
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import ROOT
 
 
 pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+DOCS = ROOT / "docs"
 MARKER = "# runnable"
 # Fenced blocks, also indented ones (inside admonitions or content tabs).
 _FENCE = re.compile(

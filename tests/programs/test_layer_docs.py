@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("layer-*.md"))
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",

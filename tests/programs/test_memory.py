@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 import weakref
 
 import equinox as eqx
@@ -13,8 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstate
+from tests.helpers import run_python
 
 
+PROBE = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")
 MiB = 2**20
 
 
@@ -76,14 +76,7 @@ def test_compiled_code_has_no_callbacks_and_no_state_copies(name):
 @pytest.mark.parametrize("mode", ["arg", "closed", "jaxstate"])
 def test_stepping_a_256_mib_state_is_in_place(mode):
     nbytes = 256 * MiB
-    probe = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")
-    out = subprocess.run(
-        [sys.executable, probe, str(nbytes), mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    out = run_python(PROBE, str(nbytes), mode, timeout=300)
     growth = int(out.stdout.strip().splitlines()[-1])
     assert growth < 0.10 * nbytes, f"peak grew by {growth / MiB:.1f} MiB"
 
@@ -91,14 +84,7 @@ def test_stepping_a_256_mib_state_is_in_place(mode):
 @pytest.mark.slow
 def test_the_in_place_measurement_sees_a_copy():
     nbytes = 64 * MiB
-    probe = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")
-    out = subprocess.run(
-        [sys.executable, probe, str(nbytes), "copy"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    out = run_python(PROBE, str(nbytes), "copy", timeout=300)
     assert int(out.stdout.strip().splitlines()[-1]) > 0.5 * nbytes
 
 

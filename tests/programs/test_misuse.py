@@ -19,7 +19,6 @@ import ast
 import builtins
 import dataclasses
 import gc
-import pathlib
 import re
 
 import equinox as eqx
@@ -32,9 +31,10 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import ROOT
 
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "misuse.md"
+DOC = ROOT / "docs" / "misuse.md"
 
 EXPECTED = {
     # values

@@ -2,7 +2,6 @@
 data-parallel with BatchNorm (examples/train_digits_distributed.py)."""
 
 import json
-import pathlib
 import socket
 import subprocess
 import sys
@@ -12,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import ROOT
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_digits_distributed.py"
 
 

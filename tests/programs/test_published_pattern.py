@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import JITS
 
 
 #
@@ -83,11 +84,6 @@ LR = 0.1
 STEPS = 20
 P = np.array([0.1, 0.2], np.float32)
 KEYS = {"typed key": lambda: jr.key(7), "raw key": lambda: jr.PRNGKey(7)}
-COMPILERS = {
-    "eqx.filter_jit": eqx.filter_jit,
-    "jaxstate.jit": jaxstate.jit,
-    "jax.jit": jax.jit,
-}
 
 
 def _data():
@@ -134,7 +130,7 @@ def _assert_same_params(a, b):
 
 @pytest.mark.parametrize(
     "compiler, key_kind, eager_first",
-    [(c, "typed key", True) for c in COMPILERS]
+    [(c, "typed key", True) for c in JITS]
     # The library predates typed keys.
     + [("eqx.filter_jit", "raw key", True)]
     # Without the eager call first.
@@ -154,7 +150,7 @@ def test_published_pattern_trains_like_the_hand_threaded_model(
         np.testing.assert_array_equal(
             _key_bits(model.dropout_key.unsafe_get()), _key_bits(key)
         )
-    step = COMPILERS[compiler](_train_step)
+    step = JITS[compiler](_train_step)
     losses = []
     for _ in range(STEPS):
         before = _key_bits(model.dropout_key.unsafe_get())
@@ -191,13 +187,13 @@ class PerExampleKeys(DropoutDAG):
         return _forward(self.layers, jaxstate.get_state(self.dropout_p), sub, x)
 
 
-@pytest.mark.parametrize("compiler", list(COMPILERS))
+@pytest.mark.parametrize("compiler", list(JITS))
 def test_per_example_key_write_is_refused_and_changes_nothing(compiler):
     model = PerExampleKeys(P, jr.key(7), key=jr.key(0))
     x, y = _data()
     model(x[0])  # fine outside vmap: one example, one key
     before = _key_bits(model.dropout_key.unsafe_get())
-    step = COMPILERS[compiler](_train_step)
+    step = JITS[compiler](_train_step)
     with pytest.raises(RuntimeError, match="one slot for many values"):
         step(model, x, y)
     np.testing.assert_array_equal(_key_bits(model.dropout_key.unsafe_get()), before)

@@ -1,14 +1,15 @@
 """The README's code runs and prints what it says."""
 
-import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.helpers import ROOT
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+README = ROOT / "README.md"
 
 
 def _python_blocks():

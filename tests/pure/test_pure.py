@@ -8,46 +8,31 @@ import optax
 import pytest
 
 import jaxstate
-
-
-class Model(eqx.Module):
-    linear: eqx.nn.Linear
-    bn: jaxstate.nn.BatchNorm
-    calls: jaxstate.StateIndex
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(3, 2, key=key)
-        self.bn = jaxstate.nn.BatchNorm(2, "batch")
-        self.calls = jaxstate.StateIndex(init=jnp.array(0))
-
-    def __call__(self, x):
-        jaxstate.set_state(self.calls, jaxstate.get_state(self.calls) + 1)
-        return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
+from tests.helpers import assert_unchanged, LinearBatchNorm, snapshot
 
 
 x = jax.random.normal(jax.random.key(1), (8, 3))
 
 
-def _stored(model):
-    return jax.tree.map(np.asarray, jaxstate.to_pure(lambda: None, model)[1])
-
-
 def test_pure_function_returns_the_new_state_and_leaves_storage_alone():
-    model, reference = Model(jax.random.key(0)), Model(jax.random.key(0))
+    model, reference = (
+        LinearBatchNorm(jax.random.key(0), 3, 2),
+        LinearBatchNorm(jax.random.key(0), 3, 2),
+    )
     pure, state = jaxstate.to_pure(lambda v: model(v), model)
     assert sorted(state) == ["bn.batch_state", "bn.counter", "calls"]
-    before = _stored(model)
+    before = snapshot(model)
     for f in (pure, jax.jit(pure)):
         out, new_state = f(state, x)
         np.testing.assert_allclose(out, reference(x) if f is pure else out, rtol=1e-6)
         assert new_state["calls"] == 1 and new_state["bn.counter"] == 1
-        jax.tree.map(np.testing.assert_array_equal, _stored(model), before)
+        assert_unchanged(model, before)
     out2, state2 = pure(new_state, x)
     assert state2["calls"] == 2
 
 
 def test_jax_export_round_trip():
-    model = Model(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 3, 2)
     pure, state = jaxstate.to_pure(lambda v: model(v), model)
     compiled = jax.jit(pure)
     exported = jax.export.export(compiled)(state, x)
@@ -75,9 +60,9 @@ def test_jax_export_round_trip():
 
 
 def test_from_pure_checks_the_new_state_before_writing_any():
-    model = Model(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 3, 2)
     _, state = jaxstate.to_pure(lambda v: model(v), model)
-    before = jax.tree.map(np.asarray, state)
+    before = snapshot(model)
     for bad in (
         {**state, "calls": jnp.zeros(2, jnp.int32)},  # shape (written last)
         {**state, "calls": jnp.zeros((), jnp.float32)},  # dtype
@@ -87,11 +72,11 @@ def test_from_pure_checks_the_new_state_before_writing_any():
         stateful = jaxstate.from_pure(lambda s, v, bad=bad: (v, bad), model)
         with pytest.raises(ValueError, match="Nothing was written"):
             stateful(x)
-        jax.tree.map(np.testing.assert_array_equal, _stored(model), before)
+        assert_unchanged(model, before)
 
 
 def test_optax_training_with_a_pure_step():
-    model = Model(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 3, 2)
     params, static = eqx.partition(model, eqx.is_inexact_array)
     optimiser = optax.sgd(0.1)
     opt_state = optimiser.init(params)
@@ -110,7 +95,7 @@ def test_optax_training_with_a_pure_step():
         return optax.apply_updates(params, updates), opt_state, state, value
 
     # The same training, stateful, as the reference.
-    ref_model = Model(jax.random.key(0))
+    ref_model = LinearBatchNorm(jax.random.key(0), 3, 2)
     ref_step = jaxstate.jit(
         lambda m, v: eqx.apply_updates(
             m,
@@ -131,7 +116,7 @@ def test_optax_training_with_a_pure_step():
 
 
 def test_pmap_over_a_pure_function():
-    model = Model(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 3, 2)
     pure, state = jaxstate.to_pure(lambda v: model(v), model)
     n = jax.local_device_count()
     replicated = jax.tree.map(lambda a: jnp.stack([a] * n), state)
@@ -142,7 +127,7 @@ def test_pmap_over_a_pure_function():
 
 
 def test_bad_state_is_an_error():
-    model = Model(jax.random.key(0))
+    model = LinearBatchNorm(jax.random.key(0), 3, 2)
     pure, state = jaxstate.to_pure(lambda v: model(v), model)
     with pytest.raises(ValueError, match="exactly the entries"):
         pure({k: v for k, v in state.items() if k != "calls"}, x)

@@ -5,10 +5,10 @@ JAX fixes its device count when it starts, so these run in a fresh process with
 
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers import run_python
 
 
 @pytest.mark.slow
@@ -19,20 +19,8 @@ def test_sharded_suite_on_eight_cpu_devices():
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAXSTATE_SHARDED_TESTS": "1",
     }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(here / "sharded"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    suite = str(here / "sharded")
+    result = run_python(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", suite, env=env, timeout=600
     )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
