@@ -7,7 +7,7 @@ import jax
 import jaxtyping
 import pytest
 
-import jaxstate
+from tests.helpers import COMPILERS, JITS
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -49,21 +49,24 @@ if not os.environ.get("JAXSTATE_SHARDED_TESTS"):
     collect_ignore = ["pure/sharded"]
 
 
-_JITS = {"jax.jit": jax.jit, "jaxstate.jit": jaxstate.jit}
+#
+# The compilers: a test that takes one of these runs once with each.
+#
 
 
-def pytest_generate_tests(metafunc):
-    # Every test of a module that compiles through a module-level `jit` runs once
-    # with plain `jax.jit` and once with `jaxstate.jit`.
-    if hasattr(metafunc.module, "jit"):
-        metafunc.fixturenames.append("jit_impl")
-        metafunc.parametrize("jit_impl", list(_JITS), indirect=True)
+@pytest.fixture(params=list(JITS))
+def jit(request):
+    """Each compiler a stateful function must work under, in turn: `jax.jit`,
+    `eqx.filter_jit` (both reach state through JAX's references) and
+    `jaxstate.jit`. A test that takes `jit` runs once with each."""
+    return JITS[request.param]
 
 
-@pytest.fixture
-def jit_impl(request, monkeypatch):
-    monkeypatch.setattr(request.module, "jit", _JITS[request.param])
-    return request.param
+@pytest.fixture(params=list(COMPILERS))
+def jit_or_eager(request):
+    """The function itself ("eager"), then each compiler of `jit`: for what must
+    also hold without a compiler."""
+    return COMPILERS[request.param]
 
 
 #

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-
-
-jit = jax.jit  # swapped for each implementation by conftest.py
+from tests.helpers import JITS
 
 
 def _state():
@@ -39,7 +37,7 @@ _bad_sets = {
 _wrong_types = {"string leaf"}
 
 
-@pytest.mark.parametrize("where", ["eager", "jit", "trace"])
+@pytest.mark.parametrize("where", ["eager", *JITS, "trace"])
 @pytest.mark.parametrize("case", _bad_sets)
 def test_bad_set_raises_and_changes_nothing(case, where, wrong_type_raises):
     error, value, match = _bad_sets[case]
@@ -49,8 +47,8 @@ def test_bad_set_raises_and_changes_nothing(case, where, wrong_type_raises):
     with raises(error, match=match):
         if where == "eager":
             f()
-        elif where == "jit":
-            jit(f)()
+        elif where in JITS:
+            JITS[where](f)()
         else:  # raised while tracing, before anything runs
             jax.make_jaxpr(f)()
     _assert_untouched(index)
@@ -103,13 +101,13 @@ def test_not_an_index(wrong_type_raises):
         jaxstate.set_state("index", jnp.zeros(3))  # pyright: ignore
 
 
-def test_unsafe_get_inside_a_transform():
+def test_unsafe_get_inside_a_transform(jit):
     index = _state()
     with pytest.raises(RuntimeError, match="get_state"):
         jit(index.unsafe_get)()
 
 
-def test_failed_trace_in_the_middle_of_a_step_commits_nothing():
+def test_failed_trace_in_the_middle_of_a_step_commits_nothing(jit):
     a = jaxstate.StateIndex(init=jnp.zeros(2))
     b = _state()
 

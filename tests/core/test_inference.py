@@ -6,9 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstate
-
-
-jit = jax.jit  # swapped for each implementation by conftest.py
+from tests.helpers import JITS
 
 
 class Scale(eqx.Module):
@@ -21,7 +19,7 @@ class Scale(eqx.Module):
         return x * jaxstate.get_state(self.factor)
 
 
-def test_inference_index_cannot_set():
+def test_inference_index_cannot_set(jit):
     index = jaxstate.StateIndex(inference=True, init=jnp.array(1.0))
     with pytest.raises(RuntimeError, match="inference mode"):
         jaxstate.set_state(index, jnp.array(2.0))
@@ -30,7 +28,7 @@ def test_inference_index_cannot_set():
     assert index.unsafe_get() == 1.0
 
 
-def test_inference_read_before_any_state_raises():
+def test_inference_read_before_any_state_raises(jit):
     index = jaxstate.StateIndex(inference=True)
     with pytest.raises(RuntimeError, match="before it has been set"):
         jaxstate.get_state(index)
@@ -39,7 +37,7 @@ def test_inference_read_before_any_state_raises():
 
 
 @pytest.mark.parametrize("compile", [jax.jit, eqx.filter_jit])
-def test_latest_state_is_fed_in_without_retrace(compile):
+def test_latest_state_is_fed_in_without_retrace(compile, jit):
     model = Scale()
     frozen = jaxstate.tree_inference(model, True)
     traces = []
@@ -98,7 +96,7 @@ def test_plain_bool_flag_through_jax_jit_is_a_clear_error():
     assert jaxstate.jit(lambda m: m(2.0))(frozen) == 2.0
 
 
-def test_switching_modes_costs_one_trace_per_mode():
+def test_switching_modes_costs_one_trace_per_mode(jit):
     model = Scale()
     frozen = jaxstate.tree_inference(model, True)
     traces = []
@@ -129,7 +127,7 @@ def test_inference_reads_carry_no_gradient():
 @pytest.mark.parametrize(
     "transform",
     [
-        pytest.param(lambda f: jit(f)(), id="jit"),
+        *[pytest.param(lambda f, c=c: c(f)(), id=n) for n, c in JITS.items()],
         pytest.param(lambda f: jax.vmap(lambda _: f())(jnp.zeros(2)), id="vmap"),
         pytest.param(lambda f: jax.grad(lambda x: (f(), x)[1])(1.0), id="grad"),
     ],
@@ -145,7 +143,7 @@ def test_tree_inference_inside_a_transform_raises(transform):
     assert not model.factor.inference
 
 
-def test_layers_in_inference_mode_still_write_their_streams_inside_jit():
+def test_layers_in_inference_mode_still_write_their_streams_inside_jit(jit):
     # Streams and metrics write in inference mode through a training-mode view of
     # their index, not through `tree_inference` (which refuses inside a trace).
     stream = jaxstate.tree_inference(jaxstate.nn.RNGStream(0), True)

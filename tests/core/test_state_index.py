@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-
-
-jit = jax.jit  # swapped for each implementation by conftest.py
+from tests.helpers import JITS
 
 
 class CacheInput(eqx.Module):
@@ -41,13 +39,7 @@ def test_seed_example_eager(capsys):
     ]
 
 
-_compilers = {
-    "jax.jit": lambda f: jit(f),
-    "eqx.filter_jit": lambda f: eqx.filter_jit(f),
-}
-
-
-@pytest.mark.parametrize("compile", _compilers.values(), ids=_compilers.keys())
+@pytest.mark.parametrize("compile", JITS.values(), ids=JITS.keys())
 def test_seed_example_model_as_argument(compile):
     ci = CacheInput(x.shape)
     call = compile(lambda m, v: m(v))
@@ -56,14 +48,14 @@ def test_seed_example_model_as_argument(compile):
     np.testing.assert_array_equal(ci.index.unsafe_get(), y)
 
 
-def test_seed_example_closed_over():
+def test_seed_example_closed_over(jit):
     ci = CacheInput(x.shape)
     call = jit(lambda v: ci(v))
     np.testing.assert_array_equal(call(x), [0.0, 0.0])
     np.testing.assert_array_equal(call(y), [1.0, 2.0])
 
 
-def test_eager_and_compiled_share_one_state():
+def test_eager_and_compiled_share_one_state(jit):
     ci = CacheInput(x.shape)
     jitted = jit(lambda m, v: m(v))
     filtered = eqx.filter_jit(lambda m, v: m(v))
@@ -97,7 +89,7 @@ _trees = {
 
 
 @pytest.mark.parametrize("tree", _trees.values(), ids=_trees.keys())
-def test_get_returns_exactly_what_was_set(tree):
+def test_get_returns_exactly_what_was_set(tree, jit):
     index = jaxstate.StateIndex()
     jaxstate.set_state(index, tree)
     for got in (jaxstate.get_state(index), jit(jaxstate.get_state)(index)):
@@ -120,7 +112,7 @@ def test_init_keyword_is_a_set():
     assert not jaxstate.StateIndex().is_set
 
 
-def test_two_indices_never_share_state():
+def test_two_indices_never_share_state(jit):
     a = jaxstate.StateIndex(init=jnp.zeros(3))
     b = jaxstate.StateIndex(init=jnp.zeros(3))
 
@@ -138,7 +130,7 @@ def test_two_indices_never_share_state():
     np.testing.assert_array_equal(b.unsafe_get(), [-5.0, -5.0, -5.0])
 
 
-@pytest.mark.parametrize("compile", _compilers.values(), ids=_compilers.keys())
+@pytest.mark.parametrize("compile", JITS.values(), ids=JITS.keys())
 def test_state_persists_and_value_changes_never_retrace(compile):
     traces = []
     counter = jaxstate.StateIndex(init=jnp.array(0))

@@ -10,14 +10,11 @@ import pytest
 import jaxstate
 
 
-jit = jax.jit  # swapped for each implementation by conftest.py
-
-
 def _incr(index, by=1):
     jaxstate.set_state(index, jaxstate.get_state(index) + by)
 
 
-def test_scan_sees_every_write():
+def test_scan_sees_every_write(jit):
     count = jaxstate.StateIndex(init=jnp.array(0))
 
     def body(carry, x):
@@ -35,13 +32,13 @@ def test_scan_eager():
     assert count.unsafe_get() == 7
 
 
-def test_fori_loop():
+def test_fori_loop(jit):
     count = jaxstate.StateIndex(init=jnp.array(0))
     jit(lambda n: lax.fori_loop(0, n, lambda i, c: (_incr(count, i), c)[1], 0))(5)
     assert count.unsafe_get() == 0 + 1 + 2 + 3 + 4
 
 
-def test_while_loop_body_writes():
+def test_while_loop_body_writes(jit):
     count = jaxstate.StateIndex(init=jnp.array(0))
     out = jit(
         lambda: lax.while_loop(lambda i: i < 4, lambda i: (_incr(count), i + 1)[1], 0)
@@ -49,8 +46,7 @@ def test_while_loop_body_writes():
     assert out == 4 and count.unsafe_get() == 4
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_while_loop_condition_reading_state_is_refused(compiled):
+def test_while_loop_condition_reading_state_is_refused(jit_or_eager):
     count = jaxstate.StateIndex(init=jnp.array(0))
 
     def loop():
@@ -61,12 +57,11 @@ def test_while_loop_condition_reading_state_is_refused(compiled):
         )
 
     with pytest.raises(RuntimeError, match="jaxstate.while_loop"):
-        (jit(loop) if compiled else loop)()
+        jit_or_eager(loop)()
     assert count.unsafe_get() == 0
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_jaxstate_while_loop_condition_sees_body_writes(compiled):
+def test_jaxstate_while_loop_condition_sees_body_writes(jit_or_eager):
     count = jaxstate.StateIndex(init=jnp.array(0))
 
     def loop():
@@ -76,13 +71,13 @@ def test_jaxstate_while_loop_condition_sees_body_writes(compiled):
             0,
         )
 
-    assert (jit(loop) if compiled else loop)() == 5
+    assert jit_or_eager(loop)() == 5
     assert count.unsafe_get() == 5
-    assert (jit(loop) if compiled else loop)() == 0  # condition false at once
+    assert jit_or_eager(loop)() == 0  # condition false at once
     assert count.unsafe_get() == 5
 
 
-def test_cond_every_taken_branch_writes():
+def test_cond_every_taken_branch_writes(jit):
     state = jaxstate.StateIndex(init=jnp.array(0))
 
     @jit
@@ -94,7 +89,7 @@ def test_cond_every_taken_branch_writes():
         assert state.unsafe_get() == expected
 
 
-def test_switch():
+def test_switch(jit):
     state = jaxstate.StateIndex(init=jnp.array(0))
     branches = [lambda: _incr(state, 1), lambda: None, lambda: _incr(state, 100)]
     step = jit(lambda i: lax.switch(i, branches))
@@ -103,8 +98,7 @@ def test_switch():
     assert state.unsafe_get() == 202
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_checkpoint_applies_update_once_under_grad(compiled):
+def test_checkpoint_applies_update_once_under_grad(jit_or_eager):
     count = jaxstate.StateIndex(init=jnp.array(0.0))
 
     def loss(w, x):
@@ -117,7 +111,7 @@ def test_checkpoint_applies_update_once_under_grad(compiled):
         return block(w)
 
     grad = jax.grad(loss)
-    grad = jit(grad) if compiled else grad
+    grad = jit_or_eager(grad)
     for step in range(1, 4):
         g = grad(1.0, 2.0)
         # The gradient uses the value read in the forward pass, not a replayed one.
@@ -125,7 +119,7 @@ def test_checkpoint_applies_update_once_under_grad(compiled):
         assert count.unsafe_get() == step
 
 
-def test_checkpoint_without_grad():
+def test_checkpoint_without_grad(jit):
     count = jaxstate.StateIndex(init=jnp.array(0))
     f = jit(jax.checkpoint(lambda x: (_incr(count), x * 2)[1]))
     f(1.0)
@@ -158,7 +152,10 @@ def _expected(w, x, seen):
 
 
 _grads = {
-    "jax.grad": lambda: jit(jax.value_and_grad(lambda m, x: m(x))),
+    "jax.jit(jax.grad)": lambda: jax.jit(jax.value_and_grad(lambda m, x: m(x))),
+    "jaxstate.jit(jax.grad)": lambda: jaxstate.jit(
+        jax.value_and_grad(lambda m, x: m(x))
+    ),
     "eqx.filter_grad": lambda: eqx.filter_jit(
         eqx.filter_value_and_grad(lambda m, x: m(x))
     ),
@@ -183,7 +180,7 @@ def test_grad_through_a_model_holding_state(make):
         assert model.calls.unsafe_get() == i + 1  # written once per call
 
 
-def test_no_gradient_flows_into_state():
+def test_no_gradient_flows_into_state(jit):
     index = jaxstate.StateIndex(init=jnp.array(0.0))
 
     def f(w):
@@ -196,7 +193,7 @@ def test_no_gradient_flows_into_state():
     assert index.unsafe_get() == 6.0
 
 
-def test_vmap_inside_scan():
+def test_vmap_inside_scan(jit):
     ens = eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=jnp.array(0.0)))(
         jnp.arange(3)
     )
@@ -209,7 +206,7 @@ def test_vmap_inside_scan():
     np.testing.assert_array_equal(ens.unsafe_get(), [0.0, 4.0, 8.0])
 
 
-def test_scan_inside_vmap():
+def test_scan_inside_vmap(jit):
     ens = eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=jnp.array(0.0)))(
         jnp.arange(3)
     )
@@ -226,7 +223,7 @@ def test_scan_inside_vmap():
     np.testing.assert_array_equal(ens.unsafe_get(), [6.0, 22.0, 38.0])
 
 
-def test_cond_inside_vmap_with_unbatched_predicate():
+def test_cond_inside_vmap_with_unbatched_predicate(jit):
     ens = eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=jnp.array(0)))(
         jnp.arange(2)
     )
@@ -240,7 +237,7 @@ def test_cond_inside_vmap_with_unbatched_predicate():
     np.testing.assert_array_equal(ens.unsafe_get(), [1, 2])
 
 
-def test_cond_with_per_member_predicate_is_refused_clearly():
+def test_cond_with_per_member_predicate_is_refused_clearly(jit):
     ens = eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=jnp.array(0)))(
         jnp.arange(2)
     )
@@ -262,7 +259,7 @@ def test_cond_with_per_member_predicate_is_refused_clearly():
     np.testing.assert_array_equal(ens.unsafe_get(), [1, 0])
 
 
-def test_cond_with_per_member_predicate_may_read_state():
+def test_cond_with_per_member_predicate_may_read_state(jit):
     # Reading has no side effect: every branch runs and the chosen one is selected.
     total = jaxstate.StateIndex(init=jnp.array(5.0))
     ens = eqx.filter_vmap(lambda i: jaxstate.StateIndex(init=i * 10.0))(jnp.arange(3.0))

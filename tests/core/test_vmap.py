@@ -11,9 +11,6 @@ import pytest
 import jaxstate
 
 
-jit = jax.jit  # swapped for each implementation by conftest.py
-
-
 def _members(n, value):
     return eqx.filter_vmap(lambda _: jaxstate.StateIndex(init=value))(jnp.arange(n))
 
@@ -39,8 +36,7 @@ def test_first_set_under_nested_vmap_and_in_axes():
     np.testing.assert_array_equal(index.unsafe_get(), jnp.swapaxes(xs, 1, 2))
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_each_member_sees_its_slice(compiled):
+def test_each_member_sees_its_slice(jit_or_eager):
     index = _members(3, jnp.zeros(2))
 
     def step(v):
@@ -49,7 +45,7 @@ def test_each_member_sees_its_slice(compiled):
         return old
 
     step = jax.vmap(step)
-    step = jit(step) if compiled else step
+    step = jit_or_eager(step)
     v = jnp.arange(6.0).reshape(3, 2)
     np.testing.assert_array_equal(step(v), jnp.zeros((3, 2)))
     np.testing.assert_array_equal(step(v), v)
@@ -62,7 +58,7 @@ def test_unbatched_write_to_batched_state_broadcasts():
     np.testing.assert_array_equal(index.unsafe_get(), jnp.ones((3, 2)))
 
 
-def test_nested_vmap_state():
+def test_nested_vmap_state(jit):
     index = jaxstate.StateIndex()
     jax.vmap(jax.vmap(lambda v: jaxstate.set_state(index, v)))(jnp.zeros((2, 3)))
 
@@ -75,7 +71,7 @@ def test_nested_vmap_state():
     np.testing.assert_array_equal(index.unsafe_get(), 2 * v)
 
 
-def test_extra_vmap_reads_broadcast_and_reduced_writes_land():
+def test_extra_vmap_reads_broadcast_and_reduced_writes_land(jit):
     # Like BatchNorm: one state, used per example under a named vmap.
     index = jaxstate.StateIndex(init=jnp.zeros(2))
 
@@ -92,7 +88,7 @@ def test_extra_vmap_reads_broadcast_and_reduced_writes_land():
     np.testing.assert_array_equal(out, xs - xs.mean(0, keepdims=True))
 
 
-def test_ensemble_of_batch_stats_under_two_vmaps():
+def test_ensemble_of_batch_stats_under_two_vmaps(jit):
     # One state per ensemble member (outer vmap), reduced over the batch (inner).
     index = _members(2, jnp.zeros(()))
 
@@ -104,30 +100,28 @@ def test_ensemble_of_batch_stats_under_two_vmaps():
     np.testing.assert_array_equal(index.unsafe_get(), [2.0, 20.0])
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_per_example_write_under_extra_vmap_raises(compiled):
+def test_per_example_write_under_extra_vmap_raises(jit_or_eager):
     index = jaxstate.StateIndex(init=jnp.zeros(2))
     f = jax.vmap(lambda v: jaxstate.set_state(index, v))
     with pytest.raises(RuntimeError, match="one slot for many values"):
-        (jit(f) if compiled else f)(jnp.ones((4, 2)))
+        jit_or_eager(f)(jnp.ones((4, 2)))
     np.testing.assert_array_equal(index.unsafe_get(), jnp.zeros(2))
 
 
 @pytest.mark.parametrize("op", ["get", "set"])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_fewer_vmaps_than_batch_axes_raises(op, compiled):
+def test_fewer_vmaps_than_batch_axes_raises(op, jit_or_eager):
     index = _members(3, jnp.zeros(2))
     if op == "get":
         f = lambda: jaxstate.get_state(index)  # noqa: E731
     else:
         f = lambda: jaxstate.set_state(index, jnp.ones(2))  # noqa: E731
     with pytest.raises(RuntimeError, match="under 0 vmap"):
-        (jit(f) if compiled else f)()
+        jit_or_eager(f)()
     np.testing.assert_array_equal(index.unsafe_get(), jnp.zeros((3, 2)))
 
 
 @pytest.mark.parametrize("op", ["get", "set"])
-def test_vmap_size_mismatch_raises(op):
+def test_vmap_size_mismatch_raises(op, jit):
     index = _members(3, jnp.zeros(2))
     if op == "get":
         f = lambda v: jaxstate.get_state(index, v)  # noqa: E731
