@@ -3,9 +3,14 @@
 import threading
 
 import jax.numpy as jnp
+import pytest
 
 import jaxstate
 from tests.helpers import run_python
+
+
+# Not in the typechecked pass (conftest.py): many threads, thousands of steps.
+pytestmark = pytest.mark.not_typechecked
 
 
 def test_eight_threads_lose_no_update():

@@ -29,6 +29,10 @@ from benchmarks import (  # noqa: E402
 from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
 
 
+# Not in the typechecked pass (conftest.py): the benchmarks' programs.
+pytestmark = pytest.mark.not_typechecked
+
+
 CFG = dataclasses.replace(
     Config.make(quick=True), rounds=1, chunk_s=0.0, min_steps=1, max_steps=1
 )

@@ -2,7 +2,13 @@
 
 import importlib.util
 
+import pytest
+
 from tests.helpers import ROOT
+
+
+# Not in the typechecked pass (conftest.py): decodes token by token.
+pytestmark = pytest.mark.not_typechecked
 
 
 EXAMPLE = ROOT / "examples" / "decode_kv_cache.py"

@@ -8,6 +8,10 @@ import pytest
 from tests.helpers import ROOT
 
 
+# Not in the typechecked pass (conftest.py): a whole training run.
+pytestmark = pytest.mark.not_typechecked
+
+
 pytest.importorskip("sklearn")
 pytest.importorskip("tqdm")
 

@@ -17,6 +17,10 @@ import pytest
 from tests.helpers import ROOT
 
 
+# Not in the typechecked pass (conftest.py): the documentation's whole programs.
+pytestmark = pytest.mark.not_typechecked
+
+
 DOCS = ROOT / "docs"
 MARKER = "# runnable"
 # Fenced blocks, also indented ones (inside admonitions or content tabs).

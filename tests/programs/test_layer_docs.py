@@ -14,6 +14,10 @@ import pytest
 from tests.helpers import ROOT
 
 
+# Not in the typechecked pass (conftest.py): the layer pages' whole programs.
+pytestmark = pytest.mark.not_typechecked
+
+
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("layer-*.md"))
 _FENCE = re.compile(

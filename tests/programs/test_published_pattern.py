@@ -32,6 +32,10 @@ import jaxstate
 from tests.helpers import JITS
 
 
+# Not in the typechecked pass (conftest.py): a library's program, every compiler.
+pytestmark = pytest.mark.not_typechecked
+
+
 #
 # The library's model.
 #
