@@ -56,6 +56,15 @@ def run_python(
     return result
 
 
+ignore_unset_mode_warning = pytest.mark.filterwarnings(
+    r"ignore:`jaxstate\.nn\.BatchNorm\(\.\.\., mode=\.\.\.\)` is unset:UserWarning"
+)
+"""For tests that run the documentation's code (README, docs/ pages, the misuse
+catalogue): it may leave BatchNorm's `mode` unset, as a reader would, which warns.
+The warning itself is tested in nn/test_batch_norm.py; code the tests write
+themselves passes `mode`."""
+
+
 #
 # A model with state.
 #

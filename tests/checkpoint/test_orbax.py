@@ -17,7 +17,13 @@ import optax
 import pytest
 
 import jaxstate
-from tests.helpers import assert_same_state, assert_unchanged, ROOT, snapshot
+from tests.helpers import (
+    assert_same_state,
+    assert_unchanged,
+    ignore_unset_mode_warning,
+    ROOT,
+    snapshot,
+)
 
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -31,7 +37,7 @@ class Model(eqx.Module):
 
     def __init__(self, key):
         self.linear = eqx.nn.Linear(3, 4, key=key)
-        self.bn = jaxstate.nn.BatchNorm(4, "batch")
+        self.bn = jaxstate.nn.BatchNorm(4, "batch", mode="debiased")
         self.rng = jaxstate.StateIndex(
             init={"key": jax.random.key(0, impl="rbg"), "empty": jnp.zeros((0, 2))}
         )
@@ -198,6 +204,7 @@ def test_two_processes_restore_in_place(two_process_run):
     assert all(log.rstrip().endswith("OK") for log in logs)
 
 
+@ignore_unset_mode_warning
 def test_the_example_in_the_docs(tmp_path, monkeypatch):
     page = ROOT / "docs" / "checkpoints.md"
     (block,) = [

@@ -66,7 +66,7 @@ def test_load_state_dict_into_a_fresh_model():
 
 def test_load_statistics_from_elsewhere():
     # E.g. a PyTorch BatchNorm's running_mean / running_var, renamed.
-    bn = jaxstate.nn.BatchNorm(3, "batch")
+    bn = jaxstate.nn.BatchNorm(3, "batch", mode="debiased")
     mean, var = (
         np.array([1.0, 2.0, 3.0], np.float32),
         np.array([4.0, 1.0, 0.25], np.float32),
@@ -155,7 +155,7 @@ def test_an_ensemble_round_trips(tmp_path, how):
 
 def test_load_into_a_different_structure_is_an_error(tmp_path):
     jaxstate.save(tmp_path / "m.npz", _trained())
-    other = jaxstate.nn.BatchNorm(4, "batch")
+    other = jaxstate.nn.BatchNorm(4, "batch", mode="debiased")
     with pytest.raises(KeyError, match="unexpected entries"):
         jaxstate.load(tmp_path / "m.npz", other)
     assert other.counter.unsafe_get() == 0

@@ -62,7 +62,9 @@ def test_tree_inference_switches_every_flag_and_back():
         dropout: eqx.nn.Dropout
 
     model = Model(
-        jaxstate.StateIndex(), jaxstate.nn.BatchNorm(2, "b"), eqx.nn.Dropout()
+        jaxstate.StateIndex(),
+        jaxstate.nn.BatchNorm(2, "b", mode="debiased"),
+        eqx.nn.Dropout(),
     )
     frozen = jaxstate.tree_inference(model, True)
     assert frozen.index.inference and frozen.bn.inference

@@ -20,7 +20,14 @@ import jaxstate
 
 
 # Not in the typechecked pass (conftest.py): interrupted training loops, over and over.
-pytestmark = pytest.mark.not_typechecked
+pytestmark = [
+    pytest.mark.not_typechecked,
+    # An interrupt that lands in a finaliser (a weakref callback run by the
+    # garbage collector) cannot propagate: Python reports it as unraisable. That
+    # is what Ctrl-C does at such a moment too; the checks after each interrupt
+    # are what this file tests.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
 
 
 TRIALS = 120

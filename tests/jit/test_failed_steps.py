@@ -285,7 +285,7 @@ def test_checkify_errors_are_values(compiler, order):
 
 
 #
-# jax_debug_nans. Observed in a fresh interpreter: a JAX bug makes `jax_debug_nans`
+# jax_debug_nans. Observed in a fresh interpreter: a JAX limit makes `jax_debug_nans`
 # silently stop raising, for every later compiled function, once any jitted
 # function has failed while tracing after a `jax.vmap` (as the tests above do).
 #
@@ -373,27 +373,28 @@ def _lost(reason):
     return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
 
 
-_REFS_BUG = (
-    "BUG (JAX's references, also without jaxstate): the reference's buffer is "
+_REFS_LIMIT = (
+    "JAX 0.10 limit, also for raw jax.Refs without jaxstate: a reference's buffer is "
     "donated to the compiled call; when the call fails, the reference is left "
-    "holding the deleted buffer and every later read raises 'Array has been deleted'"
+    "holding the deleted buffer and every later read raises 'Array has been "
+    "deleted' (docs/design.md, 'jaxstate.jit')"
 )
 
 
-def _case(compiler, how, bug=None):
-    marks = [_lost(bug)] if bug else []
+def _case(compiler, how, limit=None):
+    marks = [_lost(limit)] if limit else []
     return pytest.param(compiler, how, marks=marks, id=f"{compiler}-{how}")
 
 
 @pytest.mark.parametrize(
     "compiler, how",
     [
-        _case("jax.jit", "argument", _REFS_BUG),
-        _case("jax.jit", "closure", _REFS_BUG),
-        _case("eqx.filter_jit", "argument", _REFS_BUG),
-        _case("eqx.filter_jit", "closure", _REFS_BUG),
+        _case("jax.jit", "argument", _REFS_LIMIT),
+        _case("jax.jit", "closure", _REFS_LIMIT),
+        _case("eqx.filter_jit", "argument", _REFS_LIMIT),
+        _case("eqx.filter_jit", "closure", _REFS_LIMIT),
         _case("jaxstate.jit", "argument"),  # undonated while debugging NaNs
-        _case("jaxstate.jit", "closure", _REFS_BUG),  # the reference path
+        _case("jaxstate.jit", "closure", _REFS_LIMIT),  # the reference path
     ],
 )
 def test_debug_nans_keeps_the_state(compiler, how):
@@ -419,8 +420,9 @@ def test_debug_nans_with_only_static_arguments_keeps_the_state_in_jaxstate_jit()
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="JAX bug: after a jitted function fails while tracing after a jax.vmap, "
-    "jax_debug_nans silently stops raising for every later jitted function",
+    reason="JAX 0.10 limit, without jaxstate too: once a jitted function has "
+    "failed while tracing after a jax.vmap, jax_debug_nans silently stops raising "
+    "for every later jitted function",
 )
 def test_debug_nans_still_works_after_a_failed_trace():
     r = _debug_nans()["after-a-failed-trace"]
@@ -440,10 +442,10 @@ def _compile(compiler, how, fn, index):
     return compiled
 
 
-def _case_rt(compiler, how, bug=None):
-    marks = [pytest.mark.xfail(strict=True, raises=RuntimeError, reason=bug)]
+def _case_rt(compiler, how, limit=None):
+    marks = [pytest.mark.xfail(strict=True, raises=RuntimeError, reason=limit)]
     return pytest.param(
-        compiler, how, marks=marks if bug else [], id=f"{compiler}-{how}"
+        compiler, how, marks=marks if limit else [], id=f"{compiler}-{how}"
     )
 
 
@@ -455,12 +457,12 @@ def _error_step(index, x):
 @pytest.mark.parametrize(
     "compiler, how",
     [
-        _case_rt("jax.jit", "argument", _REFS_BUG),
-        _case_rt("jax.jit", "closure", _REFS_BUG),
-        _case_rt("eqx.filter_jit", "argument", _REFS_BUG),
-        _case_rt("eqx.filter_jit", "closure", _REFS_BUG),
+        _case_rt("jax.jit", "argument", _REFS_LIMIT),
+        _case_rt("jax.jit", "closure", _REFS_LIMIT),
+        _case_rt("eqx.filter_jit", "argument", _REFS_LIMIT),
+        _case_rt("eqx.filter_jit", "closure", _REFS_LIMIT),
         _case_rt("jaxstate.jit", "argument"),  # the state survives
-        _case_rt("jaxstate.jit", "closure", _REFS_BUG),  # the reference path
+        _case_rt("jaxstate.jit", "closure", _REFS_LIMIT),  # the reference path
     ],
 )
 def test_runtime_error_keeps_the_state(compiler, how):

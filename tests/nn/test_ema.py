@@ -142,7 +142,7 @@ def test_shares_state_indices_with_the_model():
 
         def __init__(self):
             self.linear = eqx.nn.Linear(2, 2, key=jax.random.key(0))
-            self.bn = jaxstate.nn.BatchNorm(2, "batch")
+            self.bn = jaxstate.nn.BatchNorm(2, "batch", mode="debiased")
 
     model = WithBN()
     ema = EMA(model, DECAY)

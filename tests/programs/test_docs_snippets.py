@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ignore_unset_mode_warning, ROOT
 
 
 # Not in the typechecked pass (conftest.py): the documentation's whole programs.
-pytestmark = pytest.mark.not_typechecked
+pytestmark = [pytest.mark.not_typechecked, ignore_unset_mode_warning]
 
 
 DOCS = ROOT / "docs"

@@ -31,8 +31,10 @@ import numpy as np
 import pytest
 
 import jaxstate
-from tests.helpers import ROOT
+from tests.helpers import ignore_unset_mode_warning, ROOT
 
+
+pytestmark = ignore_unset_mode_warning
 
 DOC = ROOT / "docs" / "misuse.md"
 

@@ -509,7 +509,7 @@ def test_known_limit_custom_vjp_in_a_cond_under_grad(raw, branch):
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="JAX 0.10 bug, also for raw jax.Refs: a custom_vjp function that writes "
+    reason="JAX 0.10 limit, also for raw jax.Refs: a custom_vjp function that writes "
     "state, called in a scan under grad, writes once instead of once per iteration",
 )
 @pytest.mark.parametrize("raw", [False, True], ids=["jaxstate", "raw_ref"])
@@ -531,7 +531,7 @@ def test_known_limit_custom_vjp_writing_in_a_loop_under_grad(raw):
 @pytest.mark.xfail(
     strict=True,
     raises=TypeError,
-    reason="JAX 0.10 bug, also for raw jax.Refs: a scan that reads state, in a "
+    reason="JAX 0.10 limit, also for raw jax.Refs: a scan that reads state, in a "
     "checkpoint, under grad (or jax.hessian, linearize), under vmap, fails to compile: "
     "`_closed_call_discharge_rule() got an unexpected keyword argument 'name'`",
 )

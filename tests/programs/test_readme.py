@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.helpers import ROOT
+from tests.helpers import ignore_unset_mode_warning, ROOT
 
 
 README = ROOT / "README.md"
@@ -35,6 +35,7 @@ def test_ensemble_example():
     np.testing.assert_allclose(ensemble.total.unsafe_get(), ensemble.w, rtol=1e-6)
 
 
+@ignore_unset_mode_warning
 def test_batch_norm_example():
     import jaxstate
 

@@ -57,7 +57,7 @@ def test_setting_a_differently_sharded_value_reshards_to_the_stored_layout():
 
 def _data_parallel_bn(n_devices, x, steps, jit):
     mesh = _mesh(n_devices)
-    bn = jaxstate.nn.BatchNorm(3, axis_name=("batch", "data"))
+    bn = jaxstate.nn.BatchNorm(3, axis_name=("batch", "data"), mode="debiased")
     bn = jaxstate.device_put(bn, NamedSharding(mesh, P()))
     step = jit(
         jaxstate.shard_map(
@@ -80,7 +80,7 @@ def _data_parallel_bn(n_devices, x, steps, jit):
 def test_data_parallel_batch_norm_equals_one_device_on_the_whole_batch(n_devices, jit):
     x = jax.random.normal(jax.random.key(0), (32, 3)) * 2 + 1
     bn, out = _data_parallel_bn(n_devices, x, 3, jit)
-    single = jaxstate.nn.BatchNorm(3, axis_name="batch")
+    single = jaxstate.nn.BatchNorm(3, axis_name="batch", mode="debiased")
     for _ in range(3):
         expected = jax.vmap(single, axis_name="batch")(x)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
