@@ -7,7 +7,7 @@ import jax
 import jaxtyping
 import pytest
 
-import jaxstate
+from tests.helpers import COMPILERS, JITS
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -43,27 +43,30 @@ def collect():
     return run
 
 
-# tests/sharded/ needs 8 CPU devices, fixed when JAX starts: tests/test_sharding.py
-# runs it in a fresh process.
+# tests/pure/sharded/ needs 8 CPU devices, fixed when JAX starts:
+# tests/pure/test_sharding.py runs it in a fresh process.
 if not os.environ.get("JAXSTATE_SHARDED_TESTS"):
-    collect_ignore = ["sharded"]
+    collect_ignore = ["pure/sharded"]
 
 
-_JITS = {"jax.jit": jax.jit, "jaxstate.jit": jaxstate.jit}
+#
+# The compilers: a test that takes one of these runs once with each.
+#
 
 
-def pytest_generate_tests(metafunc):
-    # Every test of a module that compiles through a module-level `jit` runs once
-    # with plain `jax.jit` and once with `jaxstate.jit`.
-    if hasattr(metafunc.module, "jit"):
-        metafunc.fixturenames.append("jit_impl")
-        metafunc.parametrize("jit_impl", list(_JITS), indirect=True)
+@pytest.fixture(params=list(JITS))
+def jit(request):
+    """Each compiler a stateful function must work under, in turn: `jax.jit`,
+    `eqx.filter_jit` (both reach state through JAX's references) and
+    `jaxstate.jit`. A test that takes `jit` runs once with each."""
+    return JITS[request.param]
 
 
-@pytest.fixture
-def jit_impl(request, monkeypatch):
-    monkeypatch.setattr(request.module, "jit", _JITS[request.param])
-    return request.param
+@pytest.fixture(params=list(COMPILERS))
+def jit_or_eager(request):
+    """The function itself ("eager"), then each compiler of `jit`: for what must
+    also hold without a compiler."""
+    return COMPILERS[request.param]
 
 
 #
@@ -82,28 +85,21 @@ def typechecked(config: pytest.Config) -> bool:
     return any(p == "jaxstate" or p.startswith("jaxstate.") for p in packages)
 
 
-# Left out of the typechecked pass, which must fit in CI's time: they call the same
-# entry points as the rest of the suite over and over (whole training runs, threads
-# and interrupts in loops, the published library's program under every compiler,
-# decoding token by token, the documentation's examples, the benchmarks). The first
-# pass runs them.
-NOT_TYPECHECKED = (
-    "test_published_pattern.py",
-    "test_nn_decode_example.py",
-    "test_nn_attention.py",
-    "test_threads.py",
-    "test_interrupts.py",
-    "test_demo.py",
-    "test_nn_docs.py",
-    "test_docs_snippets.py",
-    "test_benchmarks_smoke.py",
-)
-
-
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config):
-    if typechecked(config) and collection_path.name in NOT_TYPECHECKED:
-        return True
-    return None
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    # The typechecked pass must fit in CI's time: it leaves out the tests marked
+    # `not_typechecked` (registered in pyproject.toml), which call the same entry
+    # points as the rest of the suite over and over (whole training runs, threads
+    # and interrupts in loops, the published library's program under every
+    # compiler, decoding token by token, the documentation's examples, the
+    # benchmarks). The first pass runs them.
+    if not typechecked(config):
+        return
+    kept, left_out = [], []
+    for item in items:
+        (left_out if item.get_closest_marker("not_typechecked") else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 @pytest.fixture(name="typechecked")

@@ -4,7 +4,8 @@
   page is read on GitHub) point to the site's home page instead, the README's short
   version. Any other link outside docs/ still fails `mkdocs build --strict`.
 - The `# runnable` marker on the first line of a code block (which
-  tests/test_docs_snippets.py uses to pick the blocks it executes) is not shown.
+  tests/programs/test_docs_snippets.py uses to pick the blocks it executes) is not
+  shown.
 """
 
 import re

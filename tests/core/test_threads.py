@@ -1,0 +1,137 @@
+"""Threads stepping one model through `jaxstate.jit` lose no update."""
+
+import threading
+
+import jax.numpy as jnp
+import pytest
+
+import jaxstate
+from tests.helpers import run_python
+
+
+# Not in the typechecked pass (conftest.py): many threads, thousands of steps.
+pytestmark = pytest.mark.not_typechecked
+
+
+def test_eight_threads_lose_no_update():
+    count = jaxstate.StateIndex(init=jnp.array(0))
+    total = jaxstate.StateIndex(init=jnp.zeros(64))
+
+    @jaxstate.jit
+    def step(count, total, x):
+        jaxstate.set_state(count, jaxstate.get_state(count) + 1)
+        jaxstate.set_state(total, jaxstate.get_state(total) + x)
+
+    x = jnp.ones(64)
+    step(count, total, x)  # compile once, up front
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(1000):
+                step(count, total, x)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert count.unsafe_get() == 8001
+    assert (total.unsafe_get() == 8001).all()
+
+
+def test_threads_mixing_eager_and_compiled_updates():
+    count = jaxstate.StateIndex(init=jnp.array(0))
+    step = jaxstate.jit(lambda c: jaxstate.set_state(c, jaxstate.get_state(c) + 1))
+    step(count)
+    lock = threading.Lock()  # eager read-modify-write is two calls: guard it
+
+    def eager():
+        for _ in range(200):
+            with lock:
+                jaxstate.set_state(count, jaxstate.get_state(count) + 1)
+
+    def compiled():
+        for _ in range(200):
+            with lock:
+                step(count)
+
+    threads = [threading.Thread(target=f) for f in (eager, compiled) * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert count.unsafe_get() == 801
+
+
+_CALLBACK_READS_ITS_STATE = """
+import jax, jax.numpy as jnp, equinox as eqx, jaxstate
+n = 1500  # big enough that XLA runs the callback on a thread of its own
+class M(eqx.Module):
+    c: jaxstate.StateIndex
+m = M(jaxstate.StateIndex(init=jnp.zeros((n, n))))
+def cb(x):
+    jaxstate.get_state(m.c)
+@jaxstate.jit
+def step(m):
+    v = jaxstate.get_state(m.c) + 1
+    jax.debug.callback(cb, v[0, 0])
+    jaxstate.set_state(m.c, v)
+warm = jaxstate.jit(lambda m: jaxstate.set_state(m.c, jaxstate.get_state(m.c) * 0.0))
+warm(m); warm(m)  # work queued on the state (asynchronous dispatch)
+try:
+    step(m)
+except Exception as e:
+    assert "from a host callback inside it" in str(e), e
+else:
+    raise AssertionError("no error")
+assert float(m.c.unsafe_get()[0, 0]) == 0.0  # the failed step changed nothing
+print("refused")
+"""
+
+
+def test_a_host_callback_reading_its_own_call_state_is_refused_not_deadlocked():
+    # A hostile test found a hang: with XLA running the callback on its own thread,
+    # the callback waited for the call's states and the call for the callback. Run
+    # in a subprocess, so that a regression fails (timeout) instead of hanging.
+    _run_alone(_CALLBACK_READS_ITS_STATE, "refused")
+
+
+def _run_alone(script: str, last_words: str) -> None:
+    """Runs `script` in a fresh Python, which must print `last_words` within two
+    minutes (a deadlock there fails this test rather than hanging the suite)."""
+    assert last_words in run_python("-c", script, timeout=120).stdout
+
+
+_FINALISER_READS_STATE = """
+import gc, jax.numpy as jnp, equinox as eqx, jaxstate
+class M(eqx.Module):
+    c: jaxstate.StateIndex
+other = M(jaxstate.StateIndex(init=jnp.zeros(3)))
+m = M(jaxstate.StateIndex(init=jnp.ones(3)))
+seen = []
+class Finaliser:
+    def __init__(self):
+        self.me = self  # a cycle: freed by whichever collection comes next
+    def __del__(self):
+        seen.append(other.c.unsafe_get())  # (more JAX work here can crash jaxlib)
+for threshold in range(2, 200):  # collections land at different places
+    gc.collect()
+    gc.set_threshold(threshold)
+    Finaliser()
+    assert float(jaxstate.state_dict(m)["c"][0]) == 1.0
+assert seen and all(float(x[0]) == 0.0 for x in seen), seen
+print("finished")
+"""
+
+
+def test_a_finaliser_using_state_inside_jaxstate_does_not_deadlock():
+    # A hostile test found a self-deadlock: the garbage collector ran a `__del__`
+    # that read state while `state_dict` held jaxstate's lock in the same thread.
+    # (The same with `set_state` in the loop can crash inside jaxlib's garbage
+    # collection, also without jaxstate: a finaliser copying an array while a
+    # reference's buffer is swapped. Not tested here.)
+    _run_alone(_FINALISER_READS_STATE, "finished")

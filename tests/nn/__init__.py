@@ -1,0 +1,1 @@
+"""The layers of `jaxstate.nn` (src/jaxstate/nn/), each against its reference."""

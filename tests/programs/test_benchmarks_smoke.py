@@ -1,0 +1,156 @@
+"""Smoke test of the benchmark suite (benchmarks/, `python -m benchmarks`).
+
+Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
+that every variant computes the same numbers (loss, parameters and state after the
+same steps) and that the results tables have the expected rows. Timings are
+measured but never asserted on.
+"""
+
+import dataclasses
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT
+
+
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import (  # noqa: E402
+    __main__ as bench_main,
+    s1_dispatch,
+    s5_loops,
+    s6_cnn,
+    s6_decode,
+    s6_mlp,
+)
+from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
+
+
+# Not in the typechecked pass (conftest.py): the benchmarks' programs.
+pytestmark = pytest.mark.not_typechecked
+
+
+CFG = dataclasses.replace(
+    Config.make(quick=True), rounds=1, chunk_s=0.0, min_steps=1, max_steps=1
+)
+STEPS = 4
+
+
+# S6 compiles five real training steps (or decoders) each: tens of seconds.
+MODULES = [
+    pytest.param(s1_dispatch, id="S1"),
+    pytest.param(s5_loops, id="S5"),
+    pytest.param(s6_mlp, id="S6a", marks=pytest.mark.slow),
+    pytest.param(s6_cnn, id="S6b", marks=pytest.mark.slow),
+    pytest.param(s6_decode, id="S6c", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_variants_agree_and_table_has_rows(module):
+    variants = module.variants(CFG)
+    assert [v.name for v in variants] == module.ROWS
+    errors = []
+    agreement, results = check(
+        variants, STEPS, on_error=lambda v, e: errors.append((v.name, repr(e)))
+    )
+    assert not errors
+    for v in variants:
+        if v.kind in ("baseline", "jaxstate", "reference"):
+            assert v.available, (v.name, v.unavailable)
+        elif not v.available:
+            # A peer may be missing (it is an optional extra), or say why it cannot
+            # run here (Flax's hijax variables under this JAX); not fail.
+            assert not v.unavailable.startswith("fail"), (v.name, v.unavailable)
+    available = [v.name for v in variants if v.available]
+    assert list(results) == available
+
+    # The same numbers after the same steps, whatever the library.
+    base = results[module.BASELINE]
+    for name in available:
+        assert results[name] and results[name].keys() <= base.keys(), name
+        for key, value in results[name].items():
+            np.testing.assert_allclose(
+                value, base[key], rtol=2e-5, atol=2e-6, err_msg=f"{name}: {key}"
+            )
+    assert agreement.ok, agreement.summary()
+
+    timings = measure(variants, CFG)
+    assert set(timings) == set(available)
+    res = ScenarioResult(
+        module.KEY,
+        module.TITLE,
+        "",
+        module.UNIT,
+        variants,
+        timings,
+        module.BASELINE,
+        agreement,
+    )
+    table = res.main_table()
+    assert [row[0] for row in table.rows] == module.ROWS
+    for row, v in zip(table.rows, variants):
+        if v.available:
+            assert float(row[1].replace(",", "")) > 0
+        else:
+            assert row[1].startswith("unavailable: ")
+
+
+def test_s6_rows_and_alias():
+    for module in (s6_mlp, s6_cnn, s6_decode):
+        assert module.ROWS[:4] == [
+            "hand-threaded jax.jit (donated)",
+            "jaxstate.jit",
+            "eqx.filter_jit + jaxstate",
+            "jax.jit + jaxstate (model as argument)",
+        ]
+        assert module.KEY in bench_main.RUNNERS
+    assert bench_main.ALIASES["S6"] == ["S6a", "S6b", "S6c"]
+
+
+def test_the_profile_splits_a_fast_path_call():
+    # The profile in docs/performance.md: a copy of jaxstate.jit's fast path with
+    # clocks between its stages. If src/ changes the path, this fails here rather
+    # than printing an unusable report.
+    from benchmarks import profile_jit as P
+
+    fun, args = s1_dispatch.profile_setup()
+    hand = s1_dispatch._hand_variant()
+    assert hand.step is not None
+    b = P.breakdown(
+        fun, args, lambda out, a: (out[0], a[1]), 60, baseline_call=hand.step, rounds=2
+    )
+    assert b.error is None
+    assert set(b.pieces) == {
+        *P.STAGES,
+        P.NEXT_CALL,
+        P.UNFLATTEN,
+        P.COPY,
+        P.FULL,
+        P.HAND,
+    }
+    assert all(v > 0 for v in b.pieces.values())
+    # The stages are the copy's whole time, clocks aside.
+    assert sum(b.pieces[k] for k in P.STAGES) <= b.pieces[P.COPY]
+    assert b.counts == {
+        P.N_ARRAYS: 5,  # the Linear's and BatchNorm's parameters, the batch
+        P.N_BUFS: 3,  # BatchNorm's mean, variance and counter
+        P.N_OUT_ARRAYS: 5,  # the four parameters and the loss
+        P.N_OUT_MODULES: 3,  # the model, its Linear and its BatchNorm
+    }
+
+
+def test_ratios_are_medians_of_per_round_ratios():
+    from benchmarks._harness import Timing
+
+    # Round 2 ran on a slower machine for both. Per round, b takes 2, 2 and 1.5
+    # times a's time: the ratio is 2, where the ratio of the medians (2 / 1.2)
+    # would say 1.67.
+    a = Timing(1, {"pipelined": [1.0, 5.0, 1.2]})
+    b = Timing(1, {"pipelined": [2.0, 10.0, 1.8]})
+    res = ScenarioResult("X", "", "", "", [], {"a": a, "b": b}, "a", None)
+    assert res.ratio("b", "pipelined") == 2.0
+    assert res.ratio("a", "pipelined", to="b") == 0.5
