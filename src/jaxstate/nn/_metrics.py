@@ -6,7 +6,15 @@ from jaxtyping import Array, ArrayLike, Float, Int, Shaped
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
-from ._util import AxisName, check_axis_name, default_float, read, writable, write
+from ._util import (
+    AxisName,
+    check_axis_name,
+    default_float,
+    promote,
+    read,
+    writable,
+    write,
+)
 
 
 _VMAP_FIX = (
@@ -285,7 +293,11 @@ class Accuracy(eqx.Module):
             predictions = jnp.argmax(predictions, axis=-1)
         elif predictions.shape != labels.shape:
             raise ValueError(self._shape_error(predictions, labels))
-        self.mean.update(predictions == labels, weight, axis_name=axis_name)
+        # Compared in a common dtype, cast explicitly: strict dtype promotion
+        # refuses `int32 == uint8` (argmax against labels stored compactly).
+        common = promote(predictions.dtype, labels.dtype)
+        correct = predictions.astype(common) == labels.astype(common)
+        self.mean.update(correct, weight, axis_name=axis_name)
 
     @staticmethod
     def _shape_error(predictions: Array, labels: Array) -> str:

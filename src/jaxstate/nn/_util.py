@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 from jaxtyping import PyTree
 
 from .._flag import flag_value
@@ -46,6 +47,28 @@ def user_stacklevel() -> int:
 
 def default_float():
     return jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+
+
+def promote(*dtypes) -> np.dtype:
+    """JAX's standard promotion of `dtypes`, also under
+    `jax.numpy_dtype_promotion("strict")`: the layers pick the dtype they compute
+    in with it and cast to it explicitly, so that they work under either setting
+    and give the same numbers under both."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jnp.result_type(*dtypes))
+
+
+def at_least_float32(dtype) -> np.dtype:
+    """`dtype`, widened to float32 if narrower (float16, bfloat16): the dtype that
+    running averages are kept in, since an average updated by a small fraction
+    each step stalls in half precision (an increment below half a unit in the
+    last place is rounded away)."""
+    return promote(dtype, jnp.float32)
+
+
+def real_dtype(dtype) -> np.dtype:
+    """The real dtype of the same precision: float32 for complex64."""
+    return np.dtype(jnp.finfo(dtype).dtype)
 
 
 def writable(index: StateIndex) -> StateIndex:
