@@ -14,11 +14,11 @@ from .._index import StateIndex
 from .._ops import get_state, set_state
 from ._util import (
     at_least_float32,
-    axis_names,
     default_float,
     promote,
     read,
     real_dtype,
+    reduce_over,
     user_stacklevel,
     writable as _writable,
 )
@@ -237,7 +237,9 @@ class BatchNorm(eqx.Module):
 
         **Raises:**
 
-        `NameError` if not called under a `vmap` with a matching `axis_name`;
+        `NameError` in training mode if not called under a `vmap` named
+        `axis_name` (an unnamed vmap included), naming the fix (inference mode
+        needs no vmap); the statistics are unchanged;
         `ValueError` if `x` does not have `input_size` channels; `TypeError` for
         complex input into real statistics.
         """
@@ -269,14 +271,14 @@ class BatchNorm(eqx.Module):
         stored_mean = stored_mean.astype(compute)
         stored_var = stored_var.astype(compute)
 
-        names = axis_names(self.axis_name)
-
         def pmean(v):
-            # One name at a time: inside `shard_map`, JAX refuses one `pmean` over
-            # a mix of mesh axes and vmap axes.
-            for name in names:
-                v = lax.pmean(v, name)
-            return v
+            return reduce_over(
+                lax.pmean,
+                v,
+                "`jaxstate.nn.BatchNorm`",
+                self.axis_name,
+                "the batch statistics are means over that vmap",
+            )
 
         def stats(y):
             mean = pmean(jnp.mean(y))

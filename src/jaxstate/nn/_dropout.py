@@ -9,7 +9,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
 from .._flag import flag_value, to_flag
 from ._rng import RNGStream
-from ._util import AxisName, extra_vmaps
+from ._util import axis_index, axis_names, AxisName, extra_vmaps
 
 
 _Seed = Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
@@ -174,7 +174,9 @@ class Dropout(eqx.Module):
 
         `RuntimeError` (while tracing) if called under a vmap that the layer was
         not built under, with no `axis_name`: every example would get the same
-        mask. `NameError` if `axis_name` names no enclosing vmap.
+        mask. `NameError` if the layer's `axis_name` names no enclosing vmap
+        (called under an unnamed vmap, say), naming the fix. The stream does
+        not advance after an error.
         """
         if inference is None:
             inference = flag_value(self.inference, "Dropout")
@@ -192,6 +194,18 @@ class Dropout(eqx.Module):
                     '`jaxstate.nn.Dropout(p, key=key, axis_name="batch")`. (Layers '
                     "built under `eqx.filter_vmap`, one per member, need no name.)"
                 )
+            # Before drawing: a layer built with `axis_name` under a vmap without
+            # that name gets an error naming the fix, and its stream stays put.
+            if self.axis_name is not None:
+                for name in axis_names(self.axis_name):
+                    axis_index(
+                        name,
+                        "`jaxstate.nn.Dropout`",
+                        self.axis_name,
+                        "one mask per example of that vmap",
+                        " (A layer called on a whole batch, with no vmap around "
+                        "it, needs no `axis_name`: build it without one.)",
+                    )
             key = self.rng(axis_name=self.axis_name)
         # As `equinox.nn.Dropout` computes it, for the same numbers to the bit.
         q = 1 - lax.stop_gradient(self.p)

@@ -1,12 +1,12 @@
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
 from ._util import (
+    axis_index,
     axis_names,
     AxisName,
     check_axis_name,
@@ -116,7 +116,9 @@ class RNGStream(eqx.Module):
 
         `RuntimeError` (while tracing) if called under a vmap that the stream was not
         created under without `axis_name`: every member would get the same key.
-        `NameError` if `axis_name` names no enclosing vmap.
+        `NameError` if `axis_name` names no enclosing vmap (called under an
+        unnamed vmap, say), naming the fix. The stream does not advance after an
+        error.
         """
         check_axis_name(
             self.state,
@@ -144,7 +146,15 @@ class RNGStream(eqx.Module):
             # Before the write: an unknown axis name raises here, leaving the stream
             # as it was.
             for name in axis_names(axis_name):
-                key = jax.random.fold_in(key, lax.axis_index(name))
+                index = axis_index(
+                    name,
+                    "`RNGStream.next`",
+                    axis_name,
+                    "one key per member of that vmap",
+                    " For one key for the call, outside any vmap, leave "
+                    "`axis_name` out.",
+                )
+                key = jax.random.fold_in(key, index)
         set_state(writable(self.state), (key_data, counter + 1))
         return key
 

@@ -6,6 +6,7 @@ from collections.abc import Hashable, Sequence
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
@@ -108,6 +109,47 @@ def check_axis_name(
             f'axis_name="batch")`) and pass `axis_name="batch"`. (State created '
             "under `eqx.filter_vmap`, one per member, needs no axis name.)"
         )
+
+
+def unbound_axis_error(
+    what: str, axis_name: AxisName, name: Hashable, role: str, extra: str = ""
+) -> NameError:
+    """The error for a call under no vmap named `name`, one of `axis_name`'s
+    names. (JAX's own advises `shard_map`, which is not the fix here; its first
+    words are kept, for whoever searches for them.)"""
+    return NameError(
+        f"unbound axis name: {name}. {what} was given "
+        f"`axis_name={axis_name!r}` ({role}), but is called "
+        f"outside any vmap named {name!r}: under a vmap with no name or another "
+        f"name, or under none. Name the vmap it is called under: "
+        f"`jax.vmap(model, axis_name={name!r})`.{extra}"
+    )
+
+
+def axis_index(
+    name: Hashable, what: str, axis_name: AxisName, role: str, extra: str = ""
+) -> jax.Array:
+    """`lax.axis_index(name)`, raising `unbound_axis_error` if no enclosing vmap
+    (or mesh axis) has that name."""
+    try:
+        return lax.axis_index(name)
+    except NameError:
+        raise unbound_axis_error(what, axis_name, name, role, extra) from None
+
+
+def reduce_over(
+    op, x: PyTree, what: str, axis_name: AxisName, role: str, extra: str = ""
+) -> PyTree:
+    """`op(x, name)` (`lax.psum`, `lax.pmean`) over each of `axis_name`'s names,
+    one at a time (inside `shard_map`, JAX refuses one collective over a mix of
+    mesh axes and vmap axes), raising `unbound_axis_error` for a name that no
+    enclosing vmap has."""
+    for name in axis_names(axis_name):
+        try:
+            x = op(x, name)
+        except NameError:
+            raise unbound_axis_error(what, axis_name, name, role, extra) from None
+    return x
 
 
 def check_can_create(what: str) -> None:
