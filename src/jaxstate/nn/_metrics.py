@@ -2,7 +2,7 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, Shaped
+from jaxtyping import Array, ArrayLike, Float, Int, Integer, Shaped
 
 from .._index import StateIndex
 from .._ops import get_state, set_state
@@ -281,7 +281,7 @@ class Accuracy(eqx.Module):
         # Either `*batch classes` or `*batch`: an annotation cannot make an axis
         # optional, so the body checks the shapes against `labels`.
         predictions: Shaped[ArrayLike, "..."],
-        labels: Int[ArrayLike, "*batch"],
+        labels: Integer[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,
         axis_name: AxisName | None = None,
@@ -325,7 +325,7 @@ class Accuracy(eqx.Module):
     def __call__(
         self,
         predictions: Shaped[ArrayLike, "..."],
-        labels: Int[ArrayLike, "*batch"],
+        labels: Integer[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,
         axis_name: AxisName | None = None,
