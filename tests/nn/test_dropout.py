@@ -184,11 +184,14 @@ def test_inference_override_per_call():
     assert int(layer.rng.count) == 0
     built_frozen = Dropout(P, inference=True, key=0)
     np.testing.assert_array_equal(np.asarray(built_frozen(x)), np.asarray(x))
+    # The layer is in inference mode, so its mask comes from the stream's inference
+    # sub-stream, and training masks are not shifted.
     np.testing.assert_array_equal(
         np.asarray(built_frozen(x, inference=False)),
-        _eqx(x, _call_key(jax.random.key(0), 0)),
+        _eqx(x, _call_key(jax.random.fold_in(jax.random.key(0), 2**32 - 1), 0)),
     )
-    assert int(built_frozen.rng.count) == 1
+    assert int(built_frozen.rng.count) == 0
+    assert int(built_frozen.rng.inference_count) == 1
 
 
 def test_p_zero_is_identity_and_draws_nothing():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ._kv_cache import KVCache, OnOverflow
+from ._util import promote
 
 
 def _attend(
@@ -23,7 +24,7 @@ def _attend(
     query = query / math.sqrt(query.shape[-1])
     logits = jnp.einsum("qhd,khd->hqk", query, key)
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-    dtype = jnp.result_type(logits.dtype, jnp.float32)
+    dtype = promote(logits.dtype, jnp.float32)  # also under strict promotion
     weights = jax.nn.softmax(logits.astype(dtype), axis=-1).astype(logits.dtype)
     if dropout_key is not None:
         # Only with a key: `eqx.nn.Dropout` branches on its `inference` and `p`
@@ -187,14 +188,16 @@ class CachedSelfAttention(eqx.Module):
         value = jax.vmap(mha.value_proj)(x).reshape(n, mha.num_heads, -1)
         # Each token's position among the real tokens; a padding token gets that
         # of the last real token before it.
+        # int32, as the cache's positions (the default integer is int64 with
+        # `jax_enable_x64`, and strict promotion refuses to mix them).
         if padding_mask is None:
-            rank = jnp.arange(n)
+            rank = jnp.arange(n, dtype=jnp.int32)
         else:
-            rank = jnp.cumsum(padding_mask) - 1
+            rank = jnp.cumsum(padding_mask, dtype=jnp.int32) - 1
         if use_cache:
             key_, value, start, fits = self.cache.append(key_, value, padding_mask)
             query_pos = start + rank
-            key_pos = jnp.arange(self.cache.max_len)
+            key_pos = jnp.arange(self.cache.max_len, dtype=jnp.int32)
             mask = key_pos[None, :] <= query_pos[:, None]
         else:
             fits = None

@@ -1,20 +1,24 @@
 import warnings
 from collections.abc import Hashable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._core._flag import flag_value, to_flag
 from .._core._index import StateIndex
 from .._core._ops import get_state, set_state
 from ._util import (
-    axis_names,
+    at_least_float32,
     default_float,
+    promote,
     read,
+    real_dtype,
+    reduce_over,
     user_stacklevel,
     writable as _writable,
 )
@@ -60,6 +64,12 @@ class BatchNorm(eqx.Module):
 
     Leaving `mode` unset gives `"debiased"` with a warning, since
     `equinox.nn.BatchNorm` with `mode` unset is `"ema"`.
+
+    **Half precision.** The running statistics are kept in at least float32 (in
+    float32 for a float16 or bfloat16 layer, where Equinox keeps them in the
+    layer's dtype), and computed in at least float32 whatever the input's dtype;
+    the output has the dtype of the input combined with the layer's `dtype`, as
+    `equinox.nn.BatchNorm`'s does.
     """
 
     weight: Float[Array, " input_size"] | None
@@ -75,6 +85,9 @@ class BatchNorm(eqx.Module):
     channelwise_affine: bool = eqx.field(static=True)
     momentum: float = eqx.field(static=True)
     mode: Mode = eqx.field(static=True)
+    # The dtype the layer was built with: of the affine parameters and, with the
+    # input's, of the output (the statistics are in at least float32).
+    dtype: Any = eqx.field(static=True)
 
     def __init__(
         self,
@@ -97,10 +110,12 @@ class BatchNorm(eqx.Module):
         - `momentum`: the decay of the running statistics, in (0, 1).
         - `inference`: if `True`, normalise with the running statistics and leave
             them alone. Toggle with [`jaxstate.tree_inference`][].
-        - `dtype`: dtype of the running statistics and the affine parameters;
-            defaults to float32 (float64 with `jax_enable_x64`). Input of another
-            dtype is fine: its statistics are computed in the wider of the two
-            dtypes and stored cast to this one.
+        - `dtype`: dtype of the affine parameters and of the running statistics;
+            defaults to float32 (float64 with `jax_enable_x64`). The statistics
+            are never kept in less than float32: a float16 or bfloat16 layer keeps
+            them in float32 (docs/layers.md says why). Input of any dtype is fine:
+            its statistics are computed in the wider of its dtype and the
+            statistics', and stored cast to the statistics'.
         - `mode`: `"debiased"`, `"batch"`, `"flax"` or `"ema"`, see above. Unset, it
             is `"debiased"`, with a warning that says how to get
             `equinox.nn.BatchNorm`'s numbers; pass it to silence the warning.
@@ -132,14 +147,18 @@ class BatchNorm(eqx.Module):
             )
         if not 0 < momentum < 1:
             raise ValueError(f"BatchNorm momentum must be in (0, 1), got {momentum}.")
-        dtype = default_float() if dtype is None else dtype
+        dtype = np.dtype(default_float() if dtype is None else dtype)
         if channelwise_affine:
             self.weight = jnp.ones((input_size,), dtype)
             self.bias = jnp.zeros((input_size,), dtype)
         else:
             self.weight = self.bias = None
-        zeros = jnp.zeros((input_size,), dtype)
-        ones = jnp.ones((input_size,), dtype)
+        # An average moved by `1 - momentum` of the gap each step stalls in half
+        # precision: in bfloat16, with momentum 0.99, two thirds of the way to a
+        # batch mean of 3 (docs/layers.md).
+        stats_dtype = at_least_float32(dtype)
+        zeros = jnp.zeros((input_size,), stats_dtype)
+        ones = jnp.ones((input_size,), stats_dtype)
         if mode == "ema":
             self.first_time = StateIndex(init=jnp.array(True))
             # Variance 1, as the other modes: inference before any training is the
@@ -159,12 +178,22 @@ class BatchNorm(eqx.Module):
         self.channelwise_affine = channelwise_affine
         self.momentum = momentum
         self.mode = mode
+        self.dtype = dtype
+
+    def _momentum_power(self, exponent, dtype) -> Array:
+        # `momentum ** exponent` with the integer exponent cast first: the same
+        # numbers as Python's float to the power of an int32 array (which JAX
+        # computes in float32 too), and no implicit promotion, which
+        # `jax.numpy_dtype_promotion("strict")` refuses.
+        real = real_dtype(dtype)
+        return jnp.power(jnp.asarray(self.momentum, real), exponent.astype(real))
 
     def _inference_statistics(self, counter, hidden_mean, hidden_var):
         if self.mode != "batch":
             return hidden_mean, hidden_var
         # Equinox's: zero-debiased, though the variance's EMA starts at one.
-        scale = jnp.where(counter == 0, 1, 1 - self.momentum**counter)
+        scale = 1 - self._momentum_power(counter, hidden_mean.dtype)
+        scale = jnp.where(counter == 0, jnp.ones_like(scale), scale)
         return hidden_mean / scale, hidden_var / scale
 
     def running_statistics(
@@ -208,7 +237,9 @@ class BatchNorm(eqx.Module):
 
         **Raises:**
 
-        `NameError` if not called under a `vmap` with a matching `axis_name`;
+        `NameError` in training mode if not called under a `vmap` named
+        `axis_name` (an unnamed vmap included), naming the fix (inference mode
+        needs no vmap); the statistics are unchanged;
         `ValueError` if `x` does not have `input_size` channels; `TypeError` for
         complex input into real statistics.
         """
@@ -230,18 +261,24 @@ class BatchNorm(eqx.Module):
                 f"BatchNorm got complex input ({x.dtype}) but keeps real statistics "
                 f"({dtype}). Create it with `dtype=` a complex dtype."
             )
-        # Statistics in the wider dtype (a no-op when the dtypes agree, so the
-        # numbers are Equinox's), stored in the layer's own.
-        xs = x.astype(jnp.result_type(x.dtype, dtype))
-
-        names = axis_names(self.axis_name)
+        # Everything in the wider of the input's dtype and the statistics' (at
+        # least float32), cast explicitly, so that strict dtype promotion works
+        # too; stored in the statistics' dtype. All casts are no-ops when the
+        # dtypes agree, so the numbers are Equinox's.
+        compute = promote(x.dtype, dtype)
+        out_dtype = promote(x.dtype, self.dtype)
+        xs = x.astype(compute)
+        stored_mean = stored_mean.astype(compute)
+        stored_var = stored_var.astype(compute)
 
         def pmean(v):
-            # One name at a time: inside `shard_map`, JAX refuses one `pmean` over
-            # a mix of mesh axes and vmap axes.
-            for name in names:
-                v = lax.pmean(v, name)
-            return v
+            return reduce_over(
+                lax.pmean,
+                v,
+                "`jaxstate.nn.BatchNorm`",
+                self.axis_name,
+                "the batch statistics are means over that vmap",
+            )
 
         def stats(y):
             mean = pmean(jnp.mean(y))
@@ -280,7 +317,7 @@ class BatchNorm(eqx.Module):
                     # The weighted average, updated: the newest batch's weight
                     # among `counter + 1` is `(1 - m) / (1 - m**(counter + 1))`
                     # (1 at the first step, `1 - m` in the long run).
-                    w = (1 - m) / (1 - m ** (counter + 1))
+                    w = (1 - m) / (1 - self._momentum_power(counter + 1, compute))
                     new = (
                         stored_mean + w * (mean - stored_mean),
                         stored_var + w * (var - stored_var),
@@ -297,7 +334,7 @@ class BatchNorm(eqx.Module):
         def norm(y, m, v, w, b):
             out = (y - m) / jnp.sqrt(v + self.eps)
             if self.channelwise_affine:
-                out = out * w + b
-            return out
+                out = out * w.astype(compute) + b.astype(compute)
+            return out.astype(out_dtype)
 
-        return jax.vmap(norm)(x, mean, var, self.weight, self.bias)
+        return jax.vmap(norm)(xs, mean, var, self.weight, self.bias)

@@ -8,8 +8,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
 from .._core._flag import flag_value, to_flag
-from ._rng import RNGStream
-from ._util import AxisName, extra_vmaps
+from ._rng import RNGStream, with_inference
+from ._util import axis_index, axis_names, AxisName, extra_vmaps
 
 
 _Seed = Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
@@ -42,9 +42,9 @@ def _check_p(p) -> float:
     return value
 
 
-def _stream(key) -> RNGStream:
+def _stream(key, inference: bool) -> RNGStream:
     if isinstance(key, RNGStream):
-        return key
+        return with_inference(key, inference)
     fix = (
         "Pass an int seed, a key from `jax.random.key(seed)` (or a legacy "
         "`jax.random.PRNGKey(seed)`), or a `jaxstate.nn.RNGStream` to share."
@@ -81,7 +81,7 @@ def _stream(key) -> RNGStream:
                 f"`jaxstate.nn.Dropout(key=...)` got an array of "
                 f"{x.dtype}{list(x.shape)}. {fix}"
             )
-    return RNGStream(key)
+    return RNGStream(key, inference=inference)
 
 
 class Dropout(eqx.Module):
@@ -102,6 +102,13 @@ class Dropout(eqx.Module):
         y = jaxstate.jit(lambda d, x: d(x))(dropout, x)   # a new mask every call
         eval_dropout = jaxstate.tree_inference(dropout, True)  # the identity
         ```
+
+    **Inference mode** makes the layer the identity, drawing nothing. The layer's
+    stream follows its flag (`Dropout(..., inference=...)`, `tree_inference` and
+    `eqx.nn.inference_mode` set both): a layer in inference mode called with
+    `inference=False` (Monte Carlo dropout at evaluation time) draws its masks
+    from the stream's inference sub-stream, so evaluation never shifts the
+    training masks (see [`jaxstate.nn.RNGStream`][]).
 
     **Per example**: called on one example under a per-example vmap
     (`jax.vmap(model, axis_name="batch")`), give the layer that vmap's name,
@@ -132,11 +139,13 @@ class Dropout(eqx.Module):
             kept entries are scaled by `1 / (1 - p)`.
         - `inference`: if `True`, the layer is the identity and draws nothing.
             Toggle it with [`jaxstate.tree_inference`][] (or
-            `eqx.nn.inference_mode`), or override it per call.
+            `eqx.nn.inference_mode`), or override it per call. The stream's flag
+            is set to it too.
         - `key`: seeds the layer's stream: an int seed, a key from
             `jax.random.key` (or a legacy `jax.random.PRNGKey`), or an existing
             [`jaxstate.nn.RNGStream`][] to draw from (shared with whatever else
-            uses it). Give each layer its own key.
+            uses it; the layer keeps it with its own `inference` flag). Give each
+            layer its own key.
         - `axis_name`: the name (or a tuple of names) of the per-example vmaps the
             layer is called under, if any: every example then gets its own mask.
 
@@ -146,7 +155,7 @@ class Dropout(eqx.Module):
         key; `ValueError` for `p` outside [0, 1) or a batch of keys outside a vmap.
         """
         self.p = _check_p(p)
-        self.rng = _stream(key)
+        self.rng = _stream(key, flag_value(inference, "Dropout"))
         self.inference = inference
         self.axis_name = axis_name
 
@@ -163,7 +172,9 @@ class Dropout(eqx.Module):
         - `key`: optional. If given, it is used instead of the layer's stream (which
             then does not advance), exactly as `equinox.nn.Dropout` uses it: code
             that passes keys to every layer keeps working.
-        - `inference`: overrides `self.inference` for this call, if given.
+        - `inference`: overrides `self.inference` for this call, if given. Masks
+            drawn with `inference=False` by a layer in inference mode come from
+            the stream's inference sub-stream, leaving the training masks alone.
 
         **Returns:**
 
@@ -174,7 +185,9 @@ class Dropout(eqx.Module):
 
         `RuntimeError` (while tracing) if called under a vmap that the layer was
         not built under, with no `axis_name`: every example would get the same
-        mask. `NameError` if `axis_name` names no enclosing vmap.
+        mask. `NameError` if the layer's `axis_name` names no enclosing vmap
+        (called under an unnamed vmap, say), naming the fix. The stream does
+        not advance after an error.
         """
         if inference is None:
             inference = flag_value(self.inference, "Dropout")
@@ -192,7 +205,22 @@ class Dropout(eqx.Module):
                     '`jaxstate.nn.Dropout(p, key=key, axis_name="batch")`. (Layers '
                     "built under `eqx.filter_vmap`, one per member, need no name.)"
                 )
-            key = self.rng(axis_name=self.axis_name)
+            # Before drawing: a layer built with `axis_name` under a vmap without
+            # that name gets an error naming the fix, and its stream stays put.
+            if self.axis_name is not None:
+                for name in axis_names(self.axis_name):
+                    axis_index(
+                        name,
+                        "`jaxstate.nn.Dropout`",
+                        self.axis_name,
+                        "one mask per example of that vmap",
+                        " (A layer called on a whole batch, with no vmap around "
+                        "it, needs no `axis_name`: build it without one.)",
+                    )
+            # The sub-stream follows the layer's mode, not this call's override:
+            # masks drawn while evaluating never shift the training masks.
+            mode = flag_value(self.inference, "Dropout")
+            key = self.rng(axis_name=self.axis_name, inference=mode)
         # As `equinox.nn.Dropout` computes it, for the same numbers to the bit.
         q = 1 - lax.stop_gradient(self.p)
         mask = jax.random.bernoulli(key, q, jnp.shape(x))

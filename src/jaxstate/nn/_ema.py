@@ -8,7 +8,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._core._index import StateIndex
 from .._core._ops import get_state, set_state
-from ._util import default_float, read
+from ._util import at_least_float32, read, real_dtype
 
 
 def _params(model: PyTree) -> tuple[list[Array], list[str], Any]:
@@ -61,6 +61,12 @@ class EMA(eqx.Module):
     (BatchNorm statistics, for instance) is shared by `model` and `apply(model)`,
     not averaged. Under [`jaxstate.tree_inference`][]`(..., True)` the EMA is frozen:
     `update` raises.
+
+    **Half precision.** The shadow of a float16 or bfloat16 parameter is kept in
+    float32 (wider dtypes as they are), and `apply` casts it back to the
+    parameter's dtype: in bfloat16, an update that moves the average by
+    `1 - decay` of the gap is rounded away entirely for `decay` near 1, and the
+    average never moves. This doubles the shadow's memory for such parameters.
     """
 
     shadow: StateIndex
@@ -94,7 +100,12 @@ class EMA(eqx.Module):
             raise ValueError(
                 "EMA found no inexact (floating-point) arrays in the model to average."
             )
-        init = [jnp.zeros_like(x) if bias_correction else x for x in leaves]
+        init = [
+            jnp.zeros(x.shape, at_least_float32(x.dtype))
+            if bias_correction
+            else x.astype(at_least_float32(x.dtype))
+            for x in leaves
+        ]
         # A flat list of arrays, not the model itself: the model's structure may hold
         # other state indices, which have no place in stored state.
         self.shadow = StateIndex(init=init)
@@ -136,8 +147,10 @@ class EMA(eqx.Module):
         leaves, _ = self._leaves(model, "update")
         shadow = get_state(self.shadow)
         d = self.decay
+        # In the shadow's dtype (at least float32), cast explicitly: strict dtype
+        # promotion refuses a bfloat16 parameter against a float32 shadow.
         new = [
-            (d * s + (1 - d) * jax.lax.stop_gradient(p)).astype(s.dtype)
+            (d * s + (1 - d) * jax.lax.stop_gradient(p).astype(s.dtype)).astype(s.dtype)
             for s, p in zip(shadow, leaves, strict=True)
         ]
         steps = get_state(self.steps)
@@ -156,13 +169,17 @@ class EMA(eqx.Module):
         shadow = get_state(self.shadow)
         if self.bias_correction:
             steps = get_state(self.steps)
-            # In the default float: `decay**steps` in a low-precision parameter dtype
-            # (bfloat16) would be far off.
-            scale = 1 - jnp.power(self.decay, steps.astype(default_float()))
-            shadow = [
-                jnp.where(steps == 0, p, (s / scale).astype(s.dtype))
-                for s, p in zip(shadow, leaves, strict=True)
-            ]
+
+            def unbias(s, p):
+                # In the shadow's dtype, at least float32: `decay**steps` in
+                # bfloat16 would be far off.
+                real = real_dtype(s.dtype)
+                scale = 1 - jnp.power(jnp.asarray(self.decay, real), steps.astype(real))
+                return jnp.where(steps == 0, p, (s / scale).astype(p.dtype))
+
+            shadow = [unbias(s, p) for s, p in zip(shadow, leaves, strict=True)]
+        else:
+            shadow = [s.astype(p.dtype) for s, p in zip(shadow, leaves, strict=True)]
         params = jtu.tree_unflatten(treedef, shadow)
         return eqx.combine(
             params, eqx.filter(model, eqx.is_inexact_array, inverse=True)

@@ -2,11 +2,20 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int, Shaped
+from jaxtyping import Array, ArrayLike, Float, Int, Integer, Shaped
 
 from .._core._index import StateIndex
 from .._core._ops import get_state, set_state
-from ._util import AxisName, check_axis_name, default_float, read, writable, write
+from ._util import (
+    AxisName,
+    check_axis_name,
+    default_float,
+    promote,
+    read,
+    reduce_over,
+    writable,
+    write,
+)
 
 
 _VMAP_FIX = (
@@ -14,9 +23,18 @@ _VMAP_FIX = (
 )
 
 
-def _reduce(x: Array, axis_name: AxisName | None) -> Array:
+def _reduce(x: Array, axis_name: AxisName | None, what: str) -> Array:
     # Sum over the named vmaps: the write must be the same for every member.
-    return x if axis_name is None else lax.psum(x, axis_name)
+    if axis_name is None:
+        return x
+    return reduce_over(
+        lax.psum,
+        x,
+        what,
+        axis_name,
+        "summed over that vmap",
+        " Outside any vmap, leave `axis_name` out.",
+    )
 
 
 def _reset(index: StateIndex) -> None:
@@ -70,8 +88,8 @@ class Counter(eqx.Module):
 
         `TypeError` if `n` is not an integer (or bool); `ValueError` if `n` is not
         a scalar; `RuntimeError` under a vmap the counter
-        was not created under, without `axis_name`. The count is unchanged after an
-        error.
+        was not created under, without `axis_name`; `NameError` if `axis_name`
+        names no enclosing vmap. The count is unchanged after an error.
         """
         n = jnp.asarray(n)
         if n.shape != ():
@@ -88,7 +106,8 @@ class Counter(eqx.Module):
         check_axis_name(self.count, axis_name, "Counter.increment", _VMAP_FIX)
         count = get_state(self.count)
         set_state(
-            writable(self.count), count + _reduce(n, axis_name).astype(count.dtype)
+            writable(self.count),
+            count + _reduce(n, axis_name, "`Counter.increment`").astype(count.dtype),
         )
 
     def __call__(
@@ -180,8 +199,12 @@ class Mean(eqx.Module):
         `TypeError` for complex `values` or `weight`; `ValueError` if `weight`
         does not broadcast to the shape of `values`; `RuntimeError` under a vmap
         the mean was not created under, without
-        `axis_name`. The sums are unchanged after an error.
+        `axis_name`; `NameError` if `axis_name` names no enclosing vmap. The sums
+        are unchanged after an error.
         """
+        self._update(values, weight, axis_name, "`Mean.update`")
+
+    def _update(self, values, weight, axis_name: AxisName | None, what: str) -> None:
         total, weight_sum = get_state(self.totals)
         for name, v in (("values", values), ("weight", weight)):
             if v is not None and jnp.iscomplexobj(v):
@@ -203,8 +226,8 @@ class Mean(eqx.Module):
             ) from None
         check_axis_name(self.totals, axis_name, "Mean.update", _VMAP_FIX)
         new = (
-            total + _reduce(jnp.sum(weight * values), axis_name),
-            weight_sum + _reduce(jnp.sum(weight), axis_name),
+            total + _reduce(jnp.sum(weight * values), axis_name, what),
+            weight_sum + _reduce(jnp.sum(weight), axis_name, what),
         )
         set_state(writable(self.totals), new)
 
@@ -258,7 +281,7 @@ class Accuracy(eqx.Module):
         # Either `*batch classes` or `*batch`: an annotation cannot make an axis
         # optional, so the body checks the shapes against `labels`.
         predictions: Shaped[ArrayLike, "..."],
-        labels: Int[ArrayLike, "*batch"],
+        labels: Integer[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,
         axis_name: AxisName | None = None,
@@ -285,7 +308,11 @@ class Accuracy(eqx.Module):
             predictions = jnp.argmax(predictions, axis=-1)
         elif predictions.shape != labels.shape:
             raise ValueError(self._shape_error(predictions, labels))
-        self.mean.update(predictions == labels, weight, axis_name=axis_name)
+        # Compared in a common dtype, cast explicitly: strict dtype promotion
+        # refuses `int32 == uint8` (argmax against labels stored compactly).
+        common = promote(predictions.dtype, labels.dtype)
+        correct = predictions.astype(common) == labels.astype(common)
+        self.mean._update(correct, weight, axis_name, "`Accuracy.update`")
 
     @staticmethod
     def _shape_error(predictions: Array, labels: Array) -> str:
@@ -298,7 +325,7 @@ class Accuracy(eqx.Module):
     def __call__(
         self,
         predictions: Shaped[ArrayLike, "..."],
-        labels: Int[ArrayLike, "*batch"],
+        labels: Integer[ArrayLike, "*batch"],
         weight: Shaped[ArrayLike, "*#batch"] | None = None,
         *,
         axis_name: AxisName | None = None,

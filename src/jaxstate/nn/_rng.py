@@ -1,12 +1,13 @@
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
+from .._core._flag import Flag, flag_value, to_flag
 from .._core._index import StateIndex
 from .._core._ops import get_state, set_state
 from ._util import (
+    axis_index,
     axis_names,
     AxisName,
     check_axis_name,
@@ -41,6 +42,13 @@ def _as_key(seed_or_key) -> PRNGKeyArray:
     )
 
 
+# Inference-mode draw `j` uses `fold_in(fold_in(base_key, _INFERENCE_TAG), j)`: a
+# sub-stream of its own, apart from the training keys `fold_in(base_key, i)` for
+# every count `i` below the tag (the training counter reaches it only after
+# 2**32 - 1 draws, where the docs already say keys start over).
+_INFERENCE_TAG = 2**32 - 1
+
+
 class RNGStream(eqx.Module):
     """A source of fresh random keys, with no key to thread through your code.
 
@@ -62,21 +70,34 @@ class RNGStream(eqx.Module):
         step(stream, x)
         ```
 
+    **Inference mode** (`jaxstate.tree_inference(model, True)`, or
+    `eqx.nn.inference_mode`) switches the stream to a sub-stream of its own, with
+    its own counter: evaluation still gets a fresh key at every call (a sampling
+    loop never reuses one), but leaves the training keys alone. A run that
+    evaluates between training steps, sampling or not, draws exactly the training
+    keys that a run without evaluation draws. Inference draw `j` returns
+    `fold_in(fold_in(base_key, 2**32 - 1), j)`.
+
     **Ensembles**: `eqx.filter_vmap(jaxstate.nn.RNGStream)(jax.random.split(key, n))`
-    gives every member its own stream (and counter); call it under a vmap over the
-    members. **Batches**: under a vmap the stream was not created under (a
+    gives every member its own stream (and counters); call it under a vmap over
+    the members. **Batches**: under a vmap the stream was not created under (a
     per-example vmap), pass the vmap's name, `stream(axis_name="batch")`, to give
     every example its own key; the counter advances once per call, not per example.
 
-    Inference mode (`jaxstate.tree_inference`) does not freeze a stream: evaluation
-    that samples still needs fresh keys. To replay keys, `reset()` the stream.
+    To replay the keys, `reset()` the stream.
     """
 
+    # (key data, training counter), and the inference counter: two indices, so
+    # that the first keeps its layout (and checkpoints their names).
     state: StateIndex
+    inference_counter: StateIndex
+    inference: bool = eqx.field(converter=to_flag)
     impl: str = eqx.field(static=True)
 
     def __init__(
-        self, seed_or_key: Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
+        self,
+        seed_or_key: Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"],
+        inference: bool = False,
     ):
         """**Arguments:**
 
@@ -84,6 +105,9 @@ class RNGStream(eqx.Module):
             array), or a key from `jax.random.key` (or a legacy
             `jax.random.PRNGKey`). Under `eqx.filter_vmap` over a batch of keys,
             each member gets a stream of its own.
+        - `inference`: if `True`, draw from the inference sub-stream (see above).
+            Toggle it with [`jaxstate.tree_inference`][] (or
+            `eqx.nn.inference_mode`), or override it per call.
 
         **Raises:**
 
@@ -92,12 +116,16 @@ class RNGStream(eqx.Module):
         """
         key = _as_key(seed_or_key)
         self.impl = str(jax.random.key_impl(key))
-        # Stored as plain uint32 data: state holds ordinary arrays, and the counter
-        # is uint32 because that is what `fold_in` takes.
+        # Stored as plain uint32 data: state holds ordinary arrays, and the counters
+        # are uint32 because that is what `fold_in` takes.
         key_data = jax.random.key_data(key)
         self.state = StateIndex(init=(key_data, jnp.zeros((), jnp.uint32)))
+        self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32))
+        self.inference = inference
 
-    def next(self, *, axis_name: AxisName | None = None) -> PRNGKeyArray:
+    def next(
+        self, *, axis_name: AxisName | None = None, inference: bool | None = None
+    ) -> PRNGKeyArray:
         """Returns a fresh key and advances the stream.
 
         **Arguments:**
@@ -106,18 +134,25 @@ class RNGStream(eqx.Module):
             not created under, typically a per-example `"batch"` vmap. Every member
             of those vmaps then gets a different key (the call's key folded with
             `lax.axis_index`). The counter advances once per call.
+        - `inference`: overrides `self.inference` for this call, if given: `True`
+            draws from the inference sub-stream, `False` from the training one.
 
         **Returns:**
 
-        A new key, `jax.random.fold_in(base_key, counter)` (folded with the axis
-        indices, if `axis_name` is given).
+        A new key: in training mode `jax.random.fold_in(base_key, counter)`, in
+        inference mode `fold_in(fold_in(base_key, 2**32 - 1), inference_counter)`
+        (folded with the axis indices, if `axis_name` is given).
 
         **Raises:**
 
         `RuntimeError` (while tracing) if called under a vmap that the stream was not
         created under without `axis_name`: every member would get the same key.
-        `NameError` if `axis_name` names no enclosing vmap.
+        `NameError` if `axis_name` names no enclosing vmap (called under an
+        unnamed vmap, say), naming the fix. The stream does not advance after an
+        error.
         """
+        if inference is None:
+            inference = flag_value(self.inference, "RNGStream")
         check_axis_name(
             self.state,
             axis_name,
@@ -137,24 +172,41 @@ class RNGStream(eqx.Module):
                 "and pass it in (`dropout(x, key=key)`)."
             )
         key_data, counter = get_state(self.state)
-        key = jax.random.fold_in(
-            jax.random.wrap_key_data(key_data, impl=self.impl), counter
-        )
+        key = jax.random.wrap_key_data(key_data, impl=self.impl)
+        if inference:
+            counter = get_state(self.inference_counter)
+            key = jax.random.fold_in(key, _INFERENCE_TAG)
+        key = jax.random.fold_in(key, counter)
         if axis_name is not None:
             # Before the write: an unknown axis name raises here, leaving the stream
             # as it was.
             for name in axis_names(axis_name):
-                key = jax.random.fold_in(key, lax.axis_index(name))
-        set_state(writable(self.state), (key_data, counter + 1))
+                index = axis_index(
+                    name,
+                    "`RNGStream.next`",
+                    axis_name,
+                    "one key per member of that vmap",
+                    " For one key for the call, outside any vmap, leave "
+                    "`axis_name` out.",
+                )
+                key = jax.random.fold_in(key, index)
+        if inference:
+            set_state(writable(self.inference_counter), counter + 1)
+        else:
+            set_state(writable(self.state), (key_data, counter + 1))
         return key
 
-    def __call__(self, *, axis_name: AxisName | None = None) -> PRNGKeyArray:
+    def __call__(
+        self, *, axis_name: AxisName | None = None, inference: bool | None = None
+    ) -> PRNGKeyArray:
         """The same as [`RNGStream.next`][]."""
-        return self.next(axis_name=axis_name)
+        return self.next(axis_name=axis_name, inference=inference)
 
     def split(self, n: int) -> tuple["RNGStream", ...]:
         """Returns `n` new, independent streams, seeded from this one's next key
         (so this stream advances by one, and splitting again gives other streams).
+        In inference mode the seed comes from the inference sub-stream, and the
+        new streams are in inference mode too.
 
         Creates new state, so call it eagerly (for example in a model's
         `__init__`), not inside `jit`.
@@ -175,16 +227,39 @@ class RNGStream(eqx.Module):
         check_can_create("RNGStream.split")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"RNGStream.split(n) needs a positive int n, got {n!r}.")
-        keys = jax.random.split(self.next(), n)
-        return tuple(RNGStream(k) for k in keys)
+        inference = flag_value(self.inference, "RNGStream")
+        keys = jax.random.split(self.next(inference=inference), n)
+        return tuple(RNGStream(k, inference=inference) for k in keys)
 
     def reset(self) -> None:
-        """Sets the counter back to zero: the stream replays its keys from the start.
-        Works eagerly (for every member of an ensemble at once) and inside `jit`."""
+        """Sets both counters (training and inference) back to zero: the stream
+        replays its keys from the start. Works eagerly (for every member of an
+        ensemble at once) and inside `jit`."""
         key_data, counter = read(self.state)
         write(self.state, (key_data, jnp.zeros_like(counter)))
+        write(self.inference_counter, jnp.zeros_like(read(self.inference_counter)))
 
     @property
     def count(self) -> UInt32[Array, "*members"]:
-        """How many keys the stream has given (eager: one per member of an ensemble)."""
+        """How many keys the stream has given in training mode (eager: one per
+        member of an ensemble)."""
         return read(self.state)[1]
+
+    @property
+    def inference_count(self) -> UInt32[Array, "*members"]:
+        """How many keys the stream has given in inference mode."""
+        return read(self.inference_counter)
+
+
+def with_inference(stream: RNGStream, value: bool) -> RNGStream:
+    """`stream` (the same state) with its flag set to `value`: for a layer that
+    owns a stream, whose flag follows the layer's. Works inside transforms too
+    (`eqx.filter_vmap` building an ensemble), unlike `tree_inference`."""
+    if flag_value(stream.inference, "RNGStream") == bool(value):
+        return stream
+    return eqx.tree_at(
+        lambda s: s.inference,
+        stream,
+        Flag(bool(value)),
+        is_leaf=lambda x: isinstance(x, Flag),
+    )

@@ -6,8 +6,10 @@ from collections.abc import Hashable, Sequence
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jaxtyping
+import numpy as np
 from jaxtyping import PyTree
 
 from .._core._context import resolve
@@ -48,6 +50,28 @@ def default_float():
     return jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
 
 
+def promote(*dtypes) -> np.dtype:
+    """JAX's standard promotion of `dtypes`, also under
+    `jax.numpy_dtype_promotion("strict")`: the layers pick the dtype they compute
+    in with it and cast to it explicitly, so that they work under either setting
+    and give the same numbers under both."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jnp.result_type(*dtypes))
+
+
+def at_least_float32(dtype) -> np.dtype:
+    """`dtype`, widened to float32 if narrower (float16, bfloat16): the dtype that
+    running averages are kept in, since an average updated by a small fraction
+    each step stalls in half precision (an increment below half a unit in the
+    last place is rounded away)."""
+    return promote(dtype, jnp.float32)
+
+
+def real_dtype(dtype) -> np.dtype:
+    """The real dtype of the same precision: float32 for complex64."""
+    return np.dtype(jnp.finfo(dtype).dtype)
+
+
 def writable(index: StateIndex) -> StateIndex:
     # Streams, metrics and caches are not training state: a model switched to
     # inference with `tree_inference` (to turn off dropout, freeze BatchNorm) still
@@ -85,6 +109,47 @@ def check_axis_name(
             f'axis_name="batch")`) and pass `axis_name="batch"`. (State created '
             "under `eqx.filter_vmap`, one per member, needs no axis name.)"
         )
+
+
+def unbound_axis_error(
+    what: str, axis_name: AxisName, name: Hashable, role: str, extra: str = ""
+) -> NameError:
+    """The error for a call under no vmap named `name`, one of `axis_name`'s
+    names. (JAX's own advises `shard_map`, which is not the fix here; its first
+    words are kept, for whoever searches for them.)"""
+    return NameError(
+        f"unbound axis name: {name}. {what} was given "
+        f"`axis_name={axis_name!r}` ({role}), but is called "
+        f"outside any vmap named {name!r}: under a vmap with no name or another "
+        f"name, or under none. Name the vmap it is called under: "
+        f"`jax.vmap(model, axis_name={name!r})`.{extra}"
+    )
+
+
+def axis_index(
+    name: Hashable, what: str, axis_name: AxisName, role: str, extra: str = ""
+) -> jax.Array:
+    """`lax.axis_index(name)`, raising `unbound_axis_error` if no enclosing vmap
+    (or mesh axis) has that name."""
+    try:
+        return lax.axis_index(name)
+    except NameError:
+        raise unbound_axis_error(what, axis_name, name, role, extra) from None
+
+
+def reduce_over(
+    op, x: PyTree, what: str, axis_name: AxisName, role: str, extra: str = ""
+) -> PyTree:
+    """`op(x, name)` (`lax.psum`, `lax.pmean`) over each of `axis_name`'s names,
+    one at a time (inside `shard_map`, JAX refuses one collective over a mix of
+    mesh axes and vmap axes), raising `unbound_axis_error` for a name that no
+    enclosing vmap has."""
+    for name in axis_names(axis_name):
+        try:
+            x = op(x, name)
+        except NameError:
+            raise unbound_axis_error(what, axis_name, name, role, extra) from None
+    return x
 
 
 def check_can_create(what: str) -> None:
