@@ -21,7 +21,6 @@ import jaxstate
 
 from . import (
     _s6,
-    profile_jit,
     s1_dispatch,
     s2_cnn,
     s3_many,
@@ -43,6 +42,7 @@ from ._harness import (
     Variant,
 )
 from ._report import render
+from .studies import profile_jit
 
 
 ROOT = Path(__file__).resolve().parents[1]

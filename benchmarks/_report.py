@@ -145,7 +145,7 @@ def _peers(results: dict[str, ScenarioResult]) -> list[str]:
 
 
 def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
-    from . import profile_jit as P
+    from .studies import profile_jit as P
 
     out = [
         "## Profile: where a jaxstate.jit call spends its time",
@@ -161,7 +161,7 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         "calls, then one wait; the best of 9 rounds, as `timeit` reports, since "
         "each is a fixed amount of CPU work that the machine's noise only "
         "lengthens). See "
-        "`benchmarks/profile_jit.py`.",
+        "`benchmarks/studies/profile_jit.py`.",
         "",
     ]
     for key, title, b, top in profile["cases"]:
@@ -261,7 +261,7 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
 
 
 def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
-    from . import profile_jit as P
+    from .studies import profile_jit as P
 
     p = b.pieces
     full, hand, program = p[P.FULL], p[P.HAND], p[P.PROGRAM]

@@ -111,7 +111,7 @@ def test_the_profile_splits_a_fast_path_call():
     # The profile in docs/performance.md: a copy of jaxstate.jit's fast path with
     # clocks between its stages. If src/ changes the path, this fails here rather
     # than printing an unusable report.
-    from benchmarks import profile_jit as P
+    from benchmarks.studies import profile_jit as P
 
     fun, args = s1_dispatch.profile_setup()
     hand = s1_dispatch._hand_variant()
