@@ -2,14 +2,17 @@
 
 Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
-same steps) and that the results tables have the expected rows. Timings are
-measured but never asserted on.
+same steps) and that the results tables have the expected rows; runs the time to
+first step (S6a's fresh builds, and S7 as `--quick` runs it) and checks its counts
+of compilations. Timings are measured but never asserted on.
 """
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,11 +23,14 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import (  # noqa: E402
     __main__ as bench_main,
+    _first,
+    _s6,
     s1_dispatch,
     s5_loops,
     s6_cnn,
     s6_decode,
     s6_mlp,
+    s7_resnet,
 )
 from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
 
@@ -150,3 +156,82 @@ def test_ratios_are_medians_of_per_round_ratios():
     res = ScenarioResult("X", "", "", "", [], {"a": a, "b": b}, "a", None)
     assert res.ratio("b", "pipelined") == 2.0
     assert res.ratio("a", "pipelined", to="b") == 0.5
+
+
+#
+# Time to first step.
+#
+
+
+def _compiles(cell: str) -> list[int]:
+    """ "1+1+0" -> [1, 1, 0]; one round, so one pattern."""
+    assert re.fullmatch(r"\d+(\+\d+)*", cell), cell
+    return [int(n) for n in cell.split("+")]
+
+
+def _check_first_steps(fs: _first.FirstSteps, names: list[str], once: list[str]):
+    assert fs.names == names
+    assert fs.agreement is not None and fs.agreement.ok, fs.agreement.summary()
+    assert not fs.later_disagreements
+    # The persistent cache (on in this suite, see conftest.py) was off, and is back.
+    assert fs.cache_hits == 0
+    assert jax.config.jax_enable_compilation_cache  # pyright: ignore
+    assert set(fs.runs) == set(names), fs.unavailable
+    table = fs.table("", {"ref": names[0]})
+    assert [row[0] for row in table.rows] == names
+    column = table.header.index(f"compiles (calls 1+…+{_first.CALLS})")
+    for row in table.rows:
+        counts = _compiles(row[column])
+        assert len(counts) == _first.CALLS
+        # Compiled on the first call, at full speed (no more compiling) by the last.
+        assert counts[0] >= 1 and counts[-1] == 0, row
+        if row[0] in once:
+            # Fresh and uncommitted, as a user's: compiled once, not per placement.
+            assert counts == [1, 0, 0], row
+        assert float(row[1]) > 0
+
+
+@pytest.mark.slow
+def test_s6a_time_to_first_step():
+    # Three of the five rows: each compiles a training step, twice for jaxstate's.
+    names = [_s6.BASELINE, _s6.JAXSTATE_JIT, s6_mlp.EQX]
+    builders = {k: b for k, b in s6_mlp.fresh_builders().items() if k in names}
+    fs = _first.first_steps(builders, 1, check_round=False)
+    _check_first_steps(fs, names, once=[_s6.BASELINE, s6_mlp.EQX])
+
+
+def test_s7_time_to_first_step_quick():
+    cfg = Config.make(quick=True)
+    assert cfg.s7_stages == 1 and not cfg.first_check_round
+    res = bench_main.run_s7(cfg)
+    assert res.agreement is not None and res.agreement.ok, res.agreement.summary()
+    assert f"{s7_resnet.n_batchnorms(1)} BatchNorms" in res.title
+    (table,) = res.tables
+    assert [row[0] for row in table.rows] == s7_resnet.ROWS
+    column = table.header.index(f"compiles (calls 1+…+{_first.CALLS})")
+    for row in table.rows:
+        counts = _compiles(row[column])
+        assert counts[0] >= 1 and counts[-1] == 0, row
+    assert _compiles(table.rows[0][column]) == [1, 0, 0]
+    # Two targets (first call, first calls) per jaxstate row, each against Equinox.
+    assert [t.label.split(",")[0] for t in res.targets] == [
+        name for name in s7_resnet.TARGET_ROWS for _ in range(2)
+    ]
+    assert all(t.value > 0 and t.primary for t in res.targets)
+    assert s7_resnet.n_batchnorms(4) == 21
+
+
+def test_first_steps_reports_a_failing_variant():
+    def broken():
+        raise ValueError("no such layer")
+
+    errors = []
+    fs = _first.first_steps(
+        {"ok": s1_dispatch._hand_variant, "broken": broken},
+        1,
+        on_error=lambda name, why: errors.append((name, why)),
+    )
+    assert errors == [("broken", "failed to run: ValueError: no such layer")]
+    assert set(fs.runs) == {"ok"} and fs.unavailable == {"broken": errors[0][1]}
+    row = fs.table("", {}).rows[1]
+    assert row[0] == "broken" and row[1].startswith("unavailable: failed to run")
