@@ -44,7 +44,7 @@ from ._harness import (
     Variant,
 )
 from ._report import render
-from .studies import profile_jit
+from .studies import profile_filter_jit, profile_jit
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -500,6 +500,19 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
     return out
 
 
+def run_filter_jit_profile(
+    cfg: Config, results: dict[str, ScenarioResult]
+) -> list[profile_filter_jit.Study]:
+    """Where S6b's and S6c's `eqx.filter_jit` rows spend their time, for the
+    programs that ran (`benchmarks/studies/profile_filter_jit.py`)."""
+    out = []
+    for key in profile_filter_jit.KEYS:
+        if key in results:
+            print(f"== profile of eqx.filter_jit on {key} ...", file=sys.stderr)
+            out.append(profile_filter_jit.study(key, rounds=3 if cfg.quick else 7))
+    return out
+
+
 def _load() -> str:
     try:
         one, five, _ = os.getloadavg()
@@ -597,14 +610,17 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         results[key] = res
         _print(res)
     profile = None
+    filter_jit: list[profile_filter_jit.Study] = []
     if not args.no_profile:
         print("== profile of jaxstate.jit ...", file=sys.stderr, flush=True)
         profile = run_profile(cfg, results)
+        filter_jit = run_filter_jit_profile(cfg, results)
     wall = time.perf_counter() - start
     env = environment(argv, wall, load_start)
-    report = render(results, profile, env, cfg)
-    if profile is not None:
-        print(report[report.index("## Profile") :].split("\n## ")[0])
+    report = render(results, profile, env, cfg, filter_jit)
+    for title in ("## Profile: where a jaxstate.jit", "## Profile: eqx.filter_jit"):
+        if title in report:
+            print(report[report.index(title) :].split("\n## ")[0])
     print(f"\nwall time {wall:.0f} s")
     if not args.no_write:
         out = Path(args.out)

@@ -1,5 +1,7 @@
 """docs/performance.md, from the results of one run."""
 
+from collections.abc import Sequence
+
 from ._harness import Config, md_table, ScenarioResult, Table
 
 
@@ -23,6 +25,16 @@ HOW = """\
   the ratio of the two medians shown.
 - S4 measures memory, not time: one subprocess per variant, the peak resident set
   (VmHWM) reset after compiling, then stepped.
+- Time to first step (S6a-c's second table, and S7): each round builds every
+  variant afresh as a user does (nothing committed to a device) with a new jitted
+  function, so that no cache of an earlier build can help, and times its first 3
+  calls one by one, blocking on each; building is not timed. JAX's persistent
+  compilation cache is off. "compiles" counts XLA compilations per call (JAX's
+  `/jax/core/compile/backend_compile_duration` event), "traces" traces to a jaxpr.
+  A first untimed round checks that the fresh builds compute the same results and
+  warms what all variants share (JAX's own jitted helpers); the rounds after it
+  are timed, interleaved, the starting variant rotated. Figures are medians over
+  rounds, ratios medians of per-round ratios.
 - Timings are never asserted in tests; tests/test_benchmarks_smoke.py only checks
   that the variants agree and that the tables have their rows."""
 
@@ -44,6 +56,7 @@ def render(
     profile: dict | None,
     env: dict[str, str],
     cfg: Config,
+    filter_jit: Sequence = (),
 ) -> str:
     out = ["# Performance", ""]
     out.append(
@@ -114,7 +127,30 @@ def render(
     out += _peers(results)
     if profile is not None:
         out += _profile(profile, results)
+    if filter_jit:
+        out += _filter_jit_profile(filter_jit)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _filter_jit_profile(studies: Sequence) -> list[str]:
+    from .studies import profile_filter_jit as F
+
+    out = [
+        "## Profile: eqx.filter_jit against jaxstate.jit",
+        "",
+        "Where the S6 programs' `eqx.filter_jit` rows spend the time their "
+        "`jaxstate.jit` rows do not (`benchmarks/studies/profile_filter_jit.py`, "
+        "also `python -m benchmarks.studies.profile_filter_jit`). Each "
+        "`eqx.filter_jit` call is run through a copy of Equinox's `_call` with a "
+        "clock between its stages (Equinox flattening the arguments, JAX's "
+        "dispatch, Equinox's wait for the program, Equinox rebuilding the outputs); "
+        "clocks around JAX's Python dispatch functions split JAX's part, and "
+        "jaxstate's Python per call is counted exactly (cProfile) and timed per "
+        "function alone. Host µs per call, the best of interleaved rounds; the "
+        "rows' whole calls first.",
+        "",
+    ]
+    return out + F.render(list(studies))
 
 
 def _peers(results: dict[str, ScenarioResult]) -> list[str]:

@@ -425,10 +425,12 @@ class EqxDecoder(eqx.Module):
         return logits, state.set(self.position, pos)
 
 
-def _eqx_variant(commit: bool = True) -> Variant:
+def eqx_setup(commit: bool = True):
+    """Equinox's decoder and its state, and its two compiled functions:
+    `state, token, logits = decode(model, state, token)` and
+    `state = reset(model, state)`."""
     model, state = eqx.nn.make_with_state(EqxDecoder)(_weights())
     model, state = placed((model, state), commit)
-    box = {"state": state}
 
     @eqx.filter_jit(donate="all-except-first")
     def decode(model, state, token):
@@ -441,6 +443,13 @@ def _eqx_variant(commit: bool = True) -> Variant:
         for index, kv in zip(model.caches, kvs):
             state = state.set(index, kv)
         return state.set(model.position, pos)
+
+    return decode, reset, model, state
+
+
+def _eqx_variant(commit: bool = True) -> Variant:
+    decode, reset, model, state = eqx_setup(commit)
+    box = {"state": state}
 
     def call(token):
         box["state"], token, logits = decode(model, box["state"], token)

@@ -12,9 +12,11 @@ import re
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from jax._src.interpreters import pxla
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,7 @@ from benchmarks import (  # noqa: E402
     s7_resnet,
 )
 from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
+from benchmarks.studies import profile_filter_jit as F  # noqa: E402
 
 
 CFG = dataclasses.replace(
@@ -235,3 +238,106 @@ def test_first_steps_reports_a_failing_variant():
     assert set(fs.runs) == {"ok"} and fs.unavailable == {"broken": errors[0][1]}
     row = fs.table("", {}).rows[1]
     assert row[0] == "broken" and row[1].startswith("unavailable: failed to run")
+
+
+#
+# The eqx.filter_jit profile (benchmarks/studies/profile_filter_jit.py), on S1's
+# small model: its copy of Equinox's call and its clocks.
+#
+
+
+def _s1_driver(wrap):
+    fun, (model, x) = s1_dispatch.profile_setup()
+    return F._Driver(
+        wrap(fun), [model, x], lambda d, out: d.args.__setitem__(0, out[0]), None
+    )
+
+
+def _bn_stats(driver):
+    return driver.args[0].bn.batch_state.unsafe_get()
+
+
+def test_filter_jit_profile_copies_equinox_call():
+    real, copy = _s1_driver(eqx.filter_jit), _s1_driver(eqx.filter_jit)
+    spent = dict.fromkeys(F.EQX_STAGES, 0.0)
+    for _ in range(3):
+        want, got = real.real(), copy.copy(spent)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    for a, b in zip(_bn_stats(copy), _bn_stats(real), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert all(spent[k] > 0 for k in (F.PRE, F.DISPATCH, F.WAIT, F.POST))
+    assert spent[F.REST] == 0  # timed alone, not by the copy
+    assert F._eqx_rest_us(real.fun) > 0
+
+
+def test_filter_jit_profile_clocks_jax_python_path_and_restores_it():
+    d = _s1_driver(eqx.filter_jit)
+    for _ in range(2):
+        d.real()
+    # A function that reaches jax.Refs runs JAX's Python path on every call...
+    (ex,) = F._executables(d.real)
+    # ...and one that does not, once warm, only JAX's C++ path.
+    plain = jax.jit(lambda a: a + 1)
+    plain(np.float32(1))
+    assert F._executables(lambda: plain(np.float32(2))) == []
+
+    original, inner = pxla.ExecuteReplicated.__call__, ex.xla_executable
+    clocks = F._jax_clocks()
+    with F._applied(clocks, [ex]):
+        assert isinstance(ex.xla_executable, F._TimedExecutable)
+        for _ in range(3):
+            d.real()
+    assert pxla.ExecuteReplicated.__call__ is original
+    assert ex.xla_executable is inner
+    parts = F._jax_parts(clocks, 3)
+    assert set(parts) == {label or F.JAX_PARTS[1][0] for label, *_ in F.JAX_PARTS}
+    for label in (F.JAX_PARTS[0][0], F.JAX_PARTS[1][0], F.EXECUTE):
+        assert parts[label] > 0, label
+
+
+def test_filter_jit_profile_counts_jaxstate_callbacks_only():
+    d = _s1_driver(eqx.filter_jit)
+    d.real()
+    units = F._units()
+    rows, other = F._jaxstate_calls(d.real, 5, units)
+    # Per call, jaxstate runs its index's pytree callbacks and nothing else: its
+    # reads and writes ran while tracing.
+    assert other == []
+    what = {w: n for w, n, _ in rows}
+    assert what[units[("_storage.py", "_flatten")][0]] >= 1
+    assert what[units[("_storage.py", "<lambda>")][0]] >= 1
+    assert all(n > 0 and us > 0 for _, n, us in rows)
+
+
+def test_filter_jit_profile_renders_every_stage():
+    from benchmarks._report import _filter_jit_profile
+
+    parts = {label or F.JAX_PARTS[1][0]: 1.0 for label, *_ in F.JAX_PARTS}
+    parts[F.JAX_REST] = 3.0
+    stages = dict.fromkeys(F.EQX_STAGES, 2.0)
+    stages[F.DISPATCH] = 9.0
+    extra = {F.TOTAL: 20.0, F.NO_WAIT: 15.0, F.NO_WAIT_EXECUTE: 0.5, F.UNFLATTEN: 0.25}
+    split = F.Breakdown(stages, parts, extra)
+    study = F.Study(
+        "S6c",
+        s6_decode.TITLE,
+        {name: (1.0, 2.0, 3.0) for name in [*s6_decode.ROWS[:4], s6_decode.EQX]},
+        {
+            _s6.FILTER_JIT: split,
+            _s6.JAX_JIT: F.Breakdown({F.DISPATCH: 9.0}, parts, {}),
+            s6_decode.EQX: split,
+        },
+        {_s6.FILTER_JIT: [("`Handle` flatten", 4.0, 0.5)]},
+        {_s6.JAX_JIT: ["`_ops.py:get_state` (1 per call)"]},
+    )
+    text = "\n".join(_filter_jit_profile([study]))
+    assert text.startswith("## Profile: eqx.filter_jit against jaxstate.jit")
+    for label in [*F.EQX_STAGES, *parts, F.TOTAL, F.NO_WAIT, F.UNFLATTEN]:
+        assert label in text, label
+    # The reading names each library's share with the numbers above.
+    assert "JAX's Python dispatch path 8 µs" in text  # dispatch less execute
+    assert "Equinox's Python 6 µs" in text
+    assert "jaxstate's pytree callbacks 2.0 µs" in text
+    assert "Other jaxstate functions run per call: `_ops.py:get_state`" in text
+    failed = F.Study("S6b", s6_cnn.TITLE, {}, {}, {}, {}, error="ValueError: no")
+    assert "Unavailable: ValueError: no" in "\n".join(F.render([failed]))
