@@ -146,8 +146,11 @@ def _filter_jit_profile(studies: Sequence) -> list[str]:
         "dispatch, Equinox's wait for the program, Equinox rebuilding the outputs); "
         "clocks around JAX's Python dispatch functions split JAX's part, and "
         "jaxstate's Python per call is counted exactly (cProfile) and timed per "
-        "function alone. Host µs per call, the best of interleaved rounds; the "
-        "rows' whole calls first.",
+        "function alone. Host µs per call, medians over interleaved rounds; the "
+        "rows' whole calls first. Where a program's own time shows depends on "
+        "XLA (in `execute_sharded` when it runs the program on the calling thread, "
+        "in the next wait otherwise), so JAX's Python is its dispatch less "
+        "`execute_sharded`.",
         "",
     ]
     return out + F.render(list(studies))

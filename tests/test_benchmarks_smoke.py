@@ -316,7 +316,8 @@ def test_filter_jit_profile_renders_every_stage():
     parts[F.JAX_REST] = 3.0
     stages = dict.fromkeys(F.EQX_STAGES, 2.0)
     stages[F.DISPATCH] = 9.0
-    extra = {F.TOTAL: 20.0, F.NO_WAIT: 15.0, F.NO_WAIT_EXECUTE: 0.5, F.UNFLATTEN: 0.25}
+    extra = {F.TOTAL: 20.0, F.COPY: 21.0, F.NO_WAIT: 15.0, F.NO_WAIT_EXECUTE: 0.5}
+    extra[F.UNFLATTEN] = 0.25
     split = F.Breakdown(stages, parts, extra)
     study = F.Study(
         "S6c",
@@ -332,7 +333,7 @@ def test_filter_jit_profile_renders_every_stage():
     )
     text = "\n".join(_filter_jit_profile([study]))
     assert text.startswith("## Profile: eqx.filter_jit against jaxstate.jit")
-    for label in [*F.EQX_STAGES, *parts, F.TOTAL, F.NO_WAIT, F.UNFLATTEN]:
+    for label in [*F.EQX_STAGES, *parts, *extra]:
         assert label in text, label
     # The reading names each library's share with the numbers above.
     assert "JAX's Python dispatch path 8 µs" in text  # dispatch less execute
