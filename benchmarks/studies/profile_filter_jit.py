@@ -416,15 +416,34 @@ _NESTED = {
 }
 
 
+def _per_node_us(nodes: list) -> tuple[float, float]:
+    """µs per node to flatten and to unflatten a list of `nodes`, through JAX's
+    pytree machinery (the C++ call of the Python callback included), less what a
+    `None` costs in their place."""
+
+    def timed(xs: list) -> tuple[float, float]:
+        leaves, treedef = jtu.tree_flatten(xs)
+        reps = 500
+        f = min(timeit.repeat(lambda: jtu.tree_flatten(xs), number=reps, repeat=5))
+        u = min(timeit.repeat(lambda: treedef.unflatten(leaves), number=reps, repeat=5))
+        return 1e6 * f / reps / len(xs), 1e6 * u / reps / len(xs)
+
+    (f, u), (f0, u0) = timed(nodes), timed([None] * len(nodes))
+    return max(0.0, f - f0), max(0.0, u - u0)
+
+
 def _units() -> dict[tuple[str, str], tuple[str, float]]:
     """(file, function) -> (what, µs per call measured alone) for the jaxstate
-    functions a compiled call runs: the pytree callbacks of an index."""
+    functions a compiled call runs: the pytree callbacks of an index (the two
+    lambdas of `_flag.py` told apart as "<lambda>:flatten" and
+    "<lambda>:unflatten")."""
     from jaxstate import _flag as F, _storage as S
 
     index = jaxstate.StateIndex(init=jnp.zeros(3))
     handle: S.Handle = index._handle
     key, other = S.Key(handle.get()), S.Key(handle.get())
-    flag = F.Flag(False)
+    handle_f, handle_u = _per_node_us([handle] * 100)
+    flag_f, flag_u = _per_node_us([F.Flag(False)] * 100)
 
     def us(fn: Callable[[], Any]) -> float:
         return 1e6 * min(timeit.repeat(fn, number=20000, repeat=5)) / 20000
@@ -432,12 +451,11 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
     return {
         ("_storage.py", "_flatten"): (
             "`Handle` flatten (`_storage._flatten`: a new `Key`)",
-            us(lambda: S._flatten(handle)),
+            handle_f,
         ),
-        # The registered unflatten is a lambda; this is its body.
         ("_storage.py", "<lambda>"): (
             "`Handle` unflatten (`Handle(key, key.take())`)",
-            us(lambda: S.Handle(key, key.take())),
+            handle_u,
         ),
         ("_storage.py", "__hash__"): (
             "`Key.__hash__` (JAX's cache key on the static part)",
@@ -447,11 +465,30 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             "`Key.__eq__` (JAX's cache lookup)",
             us(lambda: key == other),
         ),
-        ("_flag.py", "<lambda>"): (
-            "`Flag` flatten or unflatten (the `inference` field)",
-            (us(lambda: ((), flag.value)) + us(lambda: F.Flag(False))) / 2,
+        ("_flag.py", "<lambda>:flatten"): (
+            "`Flag` flatten (the `inference` field)",
+            flag_f,
+        ),
+        ("_flag.py", "<lambda>:unflatten"): (
+            "`Flag` unflatten (`Flag(aux)`, a new object)",
+            flag_u,
         ),
     }
+
+
+def _flag_lambdas() -> dict[int, str]:
+    """Line -> "flatten" / "unflatten" of the two lambdas registering `Flag`."""
+    import inspect
+
+    from jaxstate import _flag as F
+
+    lines, first = inspect.getsourcelines(F)
+    out, seen = {}, False
+    for i, line in enumerate(lines, start=first or 1):
+        seen = seen or "register_pytree_node(" in line
+        if seen and "lambda" in line and len(out) < 2:
+            out[i] = "flatten" if not out else "unflatten"
+    return out
 
 
 def _jaxstate_calls(
@@ -468,11 +505,14 @@ def _jaxstate_calls(
     jax.block_until_ready(out)
     counts: dict[tuple[str, str], float] = collections.defaultdict(float)
     other = []
-    for (file, _, name), entry in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+    flags = _flag_lambdas()
+    for (file, line, name), entry in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
         parts = Path(file).parts
         if len(parts) < 2 or parts[-2] != "jaxstate":
             continue
         where = (parts[-1], name)
+        if where == ("_flag.py", "<lambda>"):
+            where = (parts[-1], f"<lambda>:{flags.get(line, '?')}")
         if where in units:
             counts[where] += entry[1] / n
         elif where not in _NESTED:
@@ -585,7 +625,7 @@ def _study(key: str, rounds: int, calls: int) -> Study:
         key,
         module.TITLE,
         {
-            name: tuple(best(w[m]) for m in ("pipelined", "blocked", "host"))
+            name: (best(w["pipelined"]), best(w["blocked"]), best(w["host"]))
             for name, w in whole.items()
         },
         breakdowns,
