@@ -585,7 +585,10 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         "--no-write", action="store_true", help="print only; write no report"
     )
     parser.add_argument(
-        "--no-profile", action="store_true", help="skip the jaxstate.jit profile"
+        "--no-profile",
+        action="store_true",
+        help="skip the profiles (of jaxstate.jit when a target is missed; of "
+        "eqx.filter_jit on S6b and S6c)",
     )
     args = parser.parse_args(argv)
     canonical = {s.upper(): s for s in [*SCENARIOS, *ALIASES]}

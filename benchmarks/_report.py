@@ -104,7 +104,12 @@ def render(
         (
             "All primary targets met."
             if not missed
-            else f"Missed in: {', '.join(missed)} (see the profile section below)."
+            else f"Missed in: {', '.join(missed)} (see the profile sections below"
+            + (
+                "; for S7, the compilations per call in its table)."
+                if "S7" in missed
+                else ")."
+            )
         ),
         "",
     ]
