@@ -21,7 +21,6 @@ import jaxstate
 
 from . import (
     _s6,
-    profile_jit,
     s1_dispatch,
     s2_cnn,
     s3_many,
@@ -30,8 +29,10 @@ from . import (
     s6_cnn,
     s6_decode,
     s6_mlp,
+    s7_resnet,
 )
 from ._common import one_core_busy
+from ._first import CALLS, first_steps
 from ._harness import (
     check,
     Config,
@@ -43,10 +44,11 @@ from ._harness import (
     Variant,
 )
 from ._report import render
+from .studies import profile_filter_jit, profile_jit
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c"]
+SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c", "S7"]
 # `--only S6` runs the three real programs.
 ALIASES = {"S6": ["S6a", "S6b", "S6c"]}
 
@@ -319,7 +321,44 @@ def _run_s6(module, cfg: Config, peer: str | None = None) -> ScenarioResult:
         "library's own way. The results line compares the loss (or logits), "
         "parameters and every piece of state after the same steps."
     )
+    refs = {"hand": _s6.BASELINE}
+    if peer is not None:
+        refs["eqx.nn.State"] = peer
+    _add_first_steps(res, module.fresh_builders(), cfg, refs)
     return res
+
+
+def _add_first_steps(
+    res: ScenarioResult,
+    builders: dict,
+    cfg: Config,
+    refs: dict[str, str],
+    title: str = "time to first step",
+    *,
+    own: bool = False,
+):
+    """Appends the time-to-first-step table of `builders` to `res`; `own`: the
+    scenario's results line is this measurement's."""
+    with _bar(cfg.first_rounds + cfg.first_check_round, f"{res.key} first") as bar:
+        fs = first_steps(
+            builders,
+            cfg.first_rounds,
+            check_round=cfg.first_check_round,
+            on_error=lambda name, why: print(f"  ! {name}: {why}", file=sys.stderr),
+            progress=bar.update,
+        )
+    res.tables.append(
+        fs.table(
+            f"{res.key}, {title}: a fresh model and a fresh jitted function, then "
+            f"its first {CALLS} calls, each blocked on (s, median over rounds; × = "
+            "median of per-round ratios; compiles and traces per call)",
+            refs,
+        )
+    )
+    res.notes += fs.notes(agreement=not own)
+    if own:
+        res.agreement = fs.agreement
+    return fs
 
 
 def run_s6a(cfg: Config) -> ScenarioResult:
@@ -334,6 +373,53 @@ def run_s6c(cfg: Config) -> ScenarioResult:
     return _run_s6(s6_decode, cfg, s6_decode.EQX)
 
 
+def run_s7(cfg: Config) -> ScenarioResult:
+    stages = cfg.s7_stages
+    res = ScenarioResult(
+        key=s7_resnet.KEY,
+        title=s7_resnet.TITLE
+        if stages == 4
+        else s7_resnet.TITLE.replace(
+            "21 BatchNorms",
+            f"cut to {stages} of its 4 stages, "
+            f"{s7_resnet.n_batchnorms(stages)} BatchNorms",
+        ),
+        description=(s7_resnet.__doc__ or "").split("\n\n", 1)[-1].strip(),
+        unit="s",
+        variants=[],
+        timings={},
+        baseline=s7_resnet.BASELINE,
+        agreement=None,
+    )
+    fs = _add_first_steps(
+        res,
+        s7_resnet.fresh_builders(stages),
+        cfg,
+        {"eqx.nn.State": s7_resnet.EQX},
+        own=True,
+    )
+    for name in s7_resnet.TARGET_ROWS:
+        for which, label in (("first", "first call"), ("full", f"first {CALLS} calls")):
+            r = fs.ratio(name, s7_resnet.EQX, which)
+            res.targets.append(
+                Target(
+                    f"{name}, {label} / {s7_resnet.EQX}",
+                    r,
+                    f"≤ {s7_resnet.GOAL:g}×",
+                    r <= s7_resnet.GOAL,
+                )
+            )
+    res.notes.append(
+        f"A training loop is at full speed from the call after its last compilation: "
+        f"the 'first {CALLS} calls' column is what a user waits before it is, when "
+        "the step compiles at most twice. A second compilation on the second call "
+        "(compiles 1+1+0) is the step's output placed differently from its first "
+        "input: the freshly built model is not committed to a device, the returned "
+        "one is."
+    )
+    return res
+
+
 RUNNERS: dict[str, Callable[[Config], ScenarioResult]] = {
     "S1": run_s1,
     "S2": run_s2,
@@ -343,6 +429,7 @@ RUNNERS: dict[str, Callable[[Config], ScenarioResult]] = {
     "S6a": run_s6a,
     "S6b": run_s6b,
     "S6c": run_s6c,
+    "S7": run_s7,
 }
 
 
@@ -352,7 +439,7 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         f"{res.key}: {t.label}"
         for res in results.values()
         for t in res.targets
-        if t.primary and not t.met and res.key != "S4"
+        if t.primary and not t.met and res.key not in ("S4", "S7")
     ]
     if not missed:
         return None
@@ -410,6 +497,19 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         out["first_call"] = profile_jit.first_call_phases(
             s3_many.fresh_first_calls(), cfg.compile_reps
         )
+    return out
+
+
+def run_filter_jit_profile(
+    cfg: Config, results: dict[str, ScenarioResult]
+) -> list[profile_filter_jit.Study]:
+    """Where S6b's and S6c's `eqx.filter_jit` rows spend their time, for the
+    programs that ran (`benchmarks/studies/profile_filter_jit.py`)."""
+    out = []
+    for key in profile_filter_jit.KEYS:
+        if key in results:
+            print(f"== profile of eqx.filter_jit on {key} ...", file=sys.stderr)
+            out.append(profile_filter_jit.study(key, rounds=3 if cfg.quick else 7))
     return out
 
 
@@ -485,7 +585,10 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         "--no-write", action="store_true", help="print only; write no report"
     )
     parser.add_argument(
-        "--no-profile", action="store_true", help="skip the jaxstate.jit profile"
+        "--no-profile",
+        action="store_true",
+        help="skip the profiles (of jaxstate.jit when a target is missed; of "
+        "eqx.filter_jit on S6b and S6c)",
     )
     args = parser.parse_args(argv)
     canonical = {s.upper(): s for s in [*SCENARIOS, *ALIASES]}
@@ -510,14 +613,17 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         results[key] = res
         _print(res)
     profile = None
+    filter_jit: list[profile_filter_jit.Study] = []
     if not args.no_profile:
         print("== profile of jaxstate.jit ...", file=sys.stderr, flush=True)
         profile = run_profile(cfg, results)
+        filter_jit = run_filter_jit_profile(cfg, results)
     wall = time.perf_counter() - start
     env = environment(argv, wall, load_start)
-    report = render(results, profile, env, cfg)
-    if profile is not None:
-        print(report[report.index("## Profile") :].split("\n## ")[0])
+    report = render(results, profile, env, cfg, filter_jit)
+    for title in ("## Profile: where a jaxstate.jit", "## Profile: eqx.filter_jit"):
+        if title in report:
+            print(report[report.index(title) :].split("\n## ")[0])
     print(f"\nwall time {wall:.0f} s")
     if not args.no_write:
         out = Path(args.out)

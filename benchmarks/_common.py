@@ -46,15 +46,22 @@ def on_device(tree):
     return eqx.combine(jax.device_put(arrays, jax.devices()[0]), static)
 
 
-def bn_init_stats(channels: int):
+def placed(tree, commit: bool):
+    """`on_device(tree)` if `commit`, else `tree` as it was made: what a user's
+    freshly built model is (time to first step measures that)."""
+    return on_device(tree) if commit else tree
+
+
+def bn_init_stats(channels: int, commit: bool = True):
     """(hidden mean, hidden var, counter): what `jaxstate.nn.BatchNorm` and
     `eqx.nn.BatchNorm` keep in "batch" mode."""
-    return on_device(
+    return placed(
         (
             jnp.zeros((channels,), jnp.float32),
             jnp.ones((channels,), jnp.float32),
             jnp.array(0, jnp.int32),
-        )
+        ),
+        commit,
     )
 
 

@@ -44,6 +44,9 @@ class Config:
     s4_mib: int = 512
     s4_steps: int = 5
     profile_calls: int = 3000
+    first_rounds: int = 3  # time to first step: timed rounds of fresh builds
+    first_check_round: bool = True  # an untimed round first, that checks results
+    s7_stages: int = 4  # S7's ResNet: stages kept (4: all, 21 BatchNorms)
 
     @classmethod
     def make(cls, quick: bool) -> "Config":
@@ -60,6 +63,9 @@ class Config:
             s4_mib=64,
             s4_steps=3,
             profile_calls=300,
+            first_rounds=1,
+            first_check_round=False,
+            s7_stages=1,
         )
 
 
@@ -161,6 +167,17 @@ def check(
             v.unavailable = f"failed to run: {_short(e)}"
             if on_error is not None:
                 on_error(v, e)
+    return compare(results, steps, rtol=rtol, atol=atol), results
+
+
+def compare(
+    results: dict[str, dict[str, np.ndarray]],
+    steps: int,
+    *,
+    rtol: float = 2e-5,
+    atol: float = 2e-6,
+) -> Agreement:
+    """Compares every variant's results with the first one's (the baseline)."""
     names = list(results)
     checks = []
     if names:
@@ -178,7 +195,7 @@ def check(
                 d = float(diff.ravel()[worst]) if diff.size else 0.0
                 a = float(allowed.ravel()[worst]) if diff.size else 1.0
                 checks.append((name, key, d, a, bool(np.all(diff <= allowed))))
-    return Agreement(steps, names[0] if names else "", checks), results
+    return Agreement(steps, names[0] if names else "", checks)
 
 
 #

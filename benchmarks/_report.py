@@ -1,5 +1,7 @@
 """docs/performance.md, from the results of one run."""
 
+from collections.abc import Sequence
+
 from ._harness import Config, md_table, ScenarioResult, Table
 
 
@@ -23,6 +25,16 @@ HOW = """\
   the ratio of the two medians shown.
 - S4 measures memory, not time: one subprocess per variant, the peak resident set
   (VmHWM) reset after compiling, then stepped.
+- Time to first step (S6a-c's second table, and S7): each round builds every
+  variant afresh as a user does (nothing committed to a device) with a new jitted
+  function, so that no cache of an earlier build can help, and times its first 3
+  calls one by one, blocking on each; building is not timed. JAX's persistent
+  compilation cache is off. "compiles" counts XLA compilations per call (JAX's
+  `/jax/core/compile/backend_compile_duration` event), "traces" traces to a jaxpr.
+  A first untimed round checks that the fresh builds compute the same results and
+  warms what all variants share (JAX's own jitted helpers); the rounds after it
+  are timed, interleaved, the starting variant rotated. Figures are medians over
+  rounds, ratios medians of per-round ratios.
 - Timings are never asserted in tests; tests/test_benchmarks_smoke.py only checks
   that the variants agree and that the tables have their rows."""
 
@@ -44,6 +56,7 @@ def render(
     profile: dict | None,
     env: dict[str, str],
     cfg: Config,
+    filter_jit: Sequence = (),
 ) -> str:
     out = ["# Performance", ""]
     out.append(
@@ -91,7 +104,12 @@ def render(
         (
             "All primary targets met."
             if not missed
-            else f"Missed in: {', '.join(missed)} (see the profile section below)."
+            else f"Missed in: {', '.join(missed)} (see the profile sections below"
+            + (
+                "; for S7, the compilations per call in its table)."
+                if "S7" in missed
+                else ")."
+            )
         ),
         "",
     ]
@@ -114,7 +132,33 @@ def render(
     out += _peers(results)
     if profile is not None:
         out += _profile(profile, results)
+    if filter_jit:
+        out += _filter_jit_profile(filter_jit)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _filter_jit_profile(studies: Sequence) -> list[str]:
+    from .studies import profile_filter_jit as F
+
+    out = [
+        "## Profile: eqx.filter_jit against jaxstate.jit",
+        "",
+        "Where the S6 programs' `eqx.filter_jit` rows spend the time their "
+        "`jaxstate.jit` rows do not (`benchmarks/studies/profile_filter_jit.py`, "
+        "also `python -m benchmarks.studies.profile_filter_jit`). Each "
+        "`eqx.filter_jit` call is run through a copy of Equinox's `_call` with a "
+        "clock between its stages (Equinox flattening the arguments, JAX's "
+        "dispatch, Equinox's wait for the program, Equinox rebuilding the outputs); "
+        "clocks around JAX's Python dispatch functions split JAX's part, and "
+        "jaxstate's Python per call is counted exactly (cProfile) and timed per "
+        "function alone. Host µs per call, medians over interleaved rounds; the "
+        "rows' whole calls first. Where a program's own time shows depends on "
+        "XLA (in `execute_sharded` when it runs the program on the calling thread, "
+        "in the next wait otherwise), so JAX's Python is its dispatch less "
+        "`execute_sharded`.",
+        "",
+    ]
+    return out + F.render(list(studies))
 
 
 def _peers(results: dict[str, ScenarioResult]) -> list[str]:
@@ -145,7 +189,7 @@ def _peers(results: dict[str, ScenarioResult]) -> list[str]:
 
 
 def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
-    from . import profile_jit as P
+    from .studies import profile_jit as P
 
     out = [
         "## Profile: where a jaxstate.jit call spends its time",
@@ -161,7 +205,7 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         "calls, then one wait; the best of 9 rounds, as `timeit` reports, since "
         "each is a fixed amount of CPU work that the machine's noise only "
         "lengthens). See "
-        "`benchmarks/profile_jit.py`.",
+        "`benchmarks/studies/profile_jit.py`.",
         "",
     ]
     for key, title, b, top in profile["cases"]:
@@ -261,7 +305,7 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
 
 
 def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
-    from . import profile_jit as P
+    from .studies import profile_jit as P
 
     p = b.pieces
     full, hand, program = p[P.FULL], p[P.HAND], p[P.PROGRAM]

@@ -1,6 +1,7 @@
 """Pieces shared by the three S6 programs (s6_mlp, s6_cnn, s6_decode): the row
 names every S6 table has, and a variant that keeps its own state in a box."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,19 +28,41 @@ WRAPS: dict[str, Callable[[Callable], Callable]] = {
 GOAL = 1.05
 
 
+def builders(
+    rows: list[str],
+    hand: Callable[..., Variant],
+    js: Callable[..., Variant],
+    peers: dict[str, Callable[..., Variant]],
+    *,
+    commit: bool,
+) -> dict[str, Callable[[], Variant]]:
+    """How to build each of a program's variants, in its table's order: the
+    hand-threaded baseline, jaxstate under each compiler, then each peer (reported
+    unavailable if it fails to set up). Every builder takes `commit`: whether the
+    model, state and batches are committed to the device (`on_device`) as a step's
+    outputs are, or left as freshly made (time to first step)."""
+    out: dict[str, Callable[[], Variant]] = {
+        BASELINE: functools.partial(hand, commit=commit)
+    }
+    for name in JAXSTATE_ROWS:
+        out[name] = functools.partial(js, name, commit=commit)
+    for name, make in peers.items():
+        out[name] = functools.partial(
+            guarded, name, "peer", functools.partial(make, commit=commit), twin=BASELINE
+        )
+    assert list(out) == rows
+    return out
+
+
 def assemble(
     rows: list[str],
-    hand: Callable[[], Variant],
-    js: Callable[[str], Variant],
-    peers: dict[str, Callable[[], Variant]],
+    hand: Callable[..., Variant],
+    js: Callable[..., Variant],
+    peers: dict[str, Callable[..., Variant]],
 ) -> list[Variant]:
-    """A program's variants in its table's order: the hand-threaded baseline, jaxstate
-    under each compiler, then each peer (reported unavailable if it fails to set
-    up)."""
-    out = [hand(), *(js(name) for name in JAXSTATE_ROWS)]
-    out += [guarded(name, "peer", make, twin=BASELINE) for name, make in peers.items()]
-    assert [v.name for v in out] == rows
-    return out
+    """A program's variants for the step timings, in its table's order (see
+    `builders`), committed to the device."""
+    return [build() for build in builders(rows, hand, js, peers, commit=True).values()]
 
 
 def boxed(

@@ -18,6 +18,8 @@ dropout layer holds, and both give call `i` the key `fold_in(key, i)`. Four fixe
 batches of the digits training set are cycled through.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -25,9 +27,9 @@ import numpy as np
 
 import jaxstate
 
-from ._common import bn_init_stats, hand_bn, on_device
+from ._common import bn_init_stats, hand_bn, placed
 from ._harness import Config, unavailable, Variant
-from ._s6 import assemble, BASELINE, boxed, JAXSTATE_ROWS, WRAPS
+from ._s6 import assemble, BASELINE, boxed, builders, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6b"
@@ -71,13 +73,14 @@ def _digits():
     ]
 
 
-def batches(layout: str) -> list:
-    """The batches as NCHW (Equinox) or NHWC (Flax) arrays on the device."""
+def batches(layout: str, commit: bool = True) -> list:
+    """The batches as NCHW (Equinox) or NHWC (Flax) arrays on the device
+    (committed to it if `commit`)."""
     out = []
     for x, y in _digits():
         if layout == "NHWC":
             x = np.transpose(x, (0, 2, 3, 1))
-        out.append(on_device((jnp.asarray(x), jnp.asarray(y))))
+        out.append(placed((jnp.asarray(x), jnp.asarray(y)), commit))
     return out
 
 
@@ -236,17 +239,17 @@ def js_step(optim, model, opt_state, metrics, x, y):
     return eqx.apply_updates(model, updates), opt_state, loss
 
 
-def js_setup():
+def js_setup(commit: bool = True):
     """The jaxstate model, its optimiser state and metrics, and the raw step."""
     optim = _optim()
-    model = on_device(JSCNN(_weights()))
-    opt_state = on_device(optim.init(eqx.filter(model, eqx.is_inexact_array)))
+    model = placed(JSCNN(_weights()), commit)
+    opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
     step = lambda m, o, mt, x, y: js_step(optim, m, o, mt, x, y)
     return step, model, opt_state, JSMetrics()
 
 
-def _js_variant(name: str) -> Variant:
-    step, model, opt_state, metrics = js_setup()
+def _js_variant(name: str, commit: bool = True) -> Variant:
+    step, model, opt_state, metrics = js_setup(commit)
     f = WRAPS[name](step)
     call = lambda m, o, x, y: f(m, o, metrics, x, y)
 
@@ -265,7 +268,7 @@ def _js_variant(name: str) -> Variant:
         "jaxstate",
         call,
         [model, opt_state],
-        batches("NCHW"),
+        batches("NCHW", commit),
         result,
         twin=BASELINE,
     )
@@ -308,22 +311,23 @@ class HandCNN(eqx.Module):
         return jax.vmap(self.linear2)(jax.nn.relu(h)), stats, (key_data, counter + 1)
 
 
-def hand_setup():
+def hand_setup(commit: bool = True):
     """The hand-threaded step, compiled (the state donated), and its arguments
     but the batch: `[model, state, opt_state]`."""
     optim = _optim()
     w = _weights()
-    model = on_device(HandCNN(w))
+    model = placed(HandCNN(w), commit)
     # Accuracy: correct, seen; loss: sum, count. Four buffers: all are donated.
     sums = tuple(jnp.zeros((), jnp.float32) for _ in range(4))
-    state = on_device(
+    state = placed(
         (
-            (bn_init_stats(16), bn_init_stats(32)),
+            (bn_init_stats(16, commit), bn_init_stats(32, commit)),
             (jax.random.key_data(w["dropout_key"]), jnp.zeros((), jnp.uint32)),
             sums,
-        )
+        ),
+        commit,
     )
-    opt_state = on_device(optim.init(eqx.filter(model, eqx.is_inexact_array)))
+    opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
 
     def step(model, state, opt_state, x, y):
         stats, rng, (correct, seen, loss_sum, loss_count) = state
@@ -345,8 +349,8 @@ def hand_setup():
     return jax.jit(step, donate_argnums=1), [model, state, opt_state]
 
 
-def _hand_variant() -> Variant:
-    f, box = hand_setup()
+def _hand_variant(commit: bool = True) -> Variant:
+    f, box = hand_setup(commit)
 
     def result(box, last):
         m, (stats, rng, sums) = box[0], box[1]
@@ -358,7 +362,7 @@ def _hand_variant() -> Variant:
         out["mean_loss"] = sums[2] / sums[3]
         return out
 
-    return boxed(BASELINE, "baseline", f, box, batches("NCHW"), result)
+    return boxed(BASELINE, "baseline", f, box, batches("NCHW", commit), result)
 
 
 #
@@ -379,11 +383,12 @@ def _nnx_step(model, optimizer, metrics, x, y):
     return loss
 
 
-def _nnx_variant() -> Variant:
+def _nnx_variant(commit: bool = True) -> Variant:
     from flax import nnx
 
     model, optimizer, metrics = nnx_model()
-    f = nnx.jit(_nnx_step)
+    # A new function object each time: no cache of an earlier build can help.
+    f = nnx.jit(lambda *args: _nnx_step(*args))
 
     def result(state, last):
         return _nnx_result(model, metrics, last)
@@ -393,7 +398,7 @@ def _nnx_variant() -> Variant:
         "peer",
         lambda x, y: (f(model, optimizer, metrics, x, y),),
         [],
-        batches("NHWC"),
+        batches("NHWC", commit),
         result,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",
@@ -419,7 +424,7 @@ def _hijax_grad_problem() -> str | None:
     return None
 
 
-def _hijax_variant() -> Variant:
+def _hijax_variant(commit: bool = True) -> Variant:
     from flax import nnx
 
     if not hasattr(nnx, "var_defaults") or not hasattr(nnx, "with_vars"):
@@ -452,14 +457,22 @@ def _hijax_variant() -> Variant:
         "peer",
         lambda x, y: (step(model, optimizer, metrics, x, y),),
         [],
-        batches("NHWC"),
+        batches("NHWC", commit),
         result,
         twin=BASELINE,
         note="experimental in Flax 0.12",
     )
 
 
+PEERS = {NNX: _nnx_variant, HIJAX: _hijax_variant}
+
+
 def variants(cfg: Config) -> list[Variant]:
     del cfg
-    peers = {NNX: _nnx_variant, HIJAX: _hijax_variant}
-    return assemble(ROWS, _hand_variant, _js_variant, peers)
+    return assemble(ROWS, _hand_variant, _js_variant, PEERS)
+
+
+def fresh_builders() -> dict[str, Callable[[], Variant]]:
+    """Each variant built as a user builds it (nothing committed to the device), a
+    fresh jitted function each time: for the time to first step."""
+    return builders(ROWS, _hand_variant, _js_variant, PEERS, commit=False)

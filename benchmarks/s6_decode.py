@@ -18,6 +18,7 @@ Flax model's weights.
 """
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -26,9 +27,9 @@ import numpy as np
 
 import jaxstate
 
-from ._common import on_device
+from ._common import placed
 from ._harness import Config, Variant
-from ._s6 import assemble, BASELINE, JAX_JIT, JAXSTATE_ROWS, WRAPS
+from ._s6 import assemble, BASELINE, builders, JAX_JIT, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6c"
@@ -155,15 +156,17 @@ def _weights() -> dict:
     )
 
 
-def _decoding(name, kind, decode, reset, result, *, twin=None, note="") -> Variant:
+def _decoding(
+    name, kind, decode, reset, result, *, commit: bool, twin=None, note=""
+) -> Variant:
     """A variant stepping `token, logits = decode(token)`, starting over from token
     0 after a `reset()` every `MAX_LEN` tokens."""
-    box: dict = {"token": on_device(jnp.zeros((), jnp.int32)), "n": 0}
+    box: dict = {"token": placed(jnp.zeros((), jnp.int32), commit), "n": 0}
 
     def step():
         if box["n"] == MAX_LEN:
             reset()
-            box["token"], box["n"] = on_device(jnp.zeros((), jnp.int32)), 0
+            box["token"], box["n"] = placed(jnp.zeros((), jnp.int32), commit), 0
         box["token"], box["logits"] = decode(box["token"])
         box["n"] += 1
         return box["token"]
@@ -235,8 +238,8 @@ def js_reset(model: JSDecoder):
     model.reset()
 
 
-def _js_variant(name: str) -> Variant:
-    model = on_device(JSDecoder(_weights()))
+def _js_variant(name: str, commit: bool = True) -> Variant:
+    model = placed(JSDecoder(_weights()), commit)
     if name == JAX_JIT:
         # `eqx.nn.MultiheadAttention` holds Python numbers (its dropout's), which
         # `jax.jit` cannot take as arguments: pass the arrays, close over the rest.
@@ -246,7 +249,9 @@ def _js_variant(name: str) -> Variant:
         decode = lambda t: decode_fn(arrays, t)
         reset = lambda: reset_fn(arrays)
     else:
-        decode_fn, reset_fn = WRAPS[name](js_decode), WRAPS[name](js_reset)
+        # New function objects each time: no cache of an earlier build can help.
+        decode_fn = WRAPS[name](lambda m, t: js_decode(m, t))
+        reset_fn = WRAPS[name](lambda m: js_reset(m))
         decode = lambda t: decode_fn(model, t)
         reset = lambda: reset_fn(model)
 
@@ -257,7 +262,9 @@ def _js_variant(name: str) -> Variant:
             position=model.blocks[0].attn.cache.length(),
         )
 
-    return _decoding(name, "jaxstate", decode, reset, result, twin=BASELINE)
+    return _decoding(
+        name, "jaxstate", decode, reset, result, commit=commit, twin=BASELINE
+    )
 
 
 #
@@ -333,8 +340,8 @@ def _empty_caches():
     return tuple((zeros(), zeros()) for _ in range(LAYERS)), jnp.zeros((), jnp.int32)
 
 
-def _hand_variant() -> Variant:
-    model = on_device(HandDecoder(_weights()))
+def _hand_variant(commit: bool = True) -> Variant:
+    model = placed(HandDecoder(_weights()), commit)
     arrays, static = eqx.partition(model, eqx.is_array)
 
     def decode(arrays, caches, token):
@@ -343,7 +350,7 @@ def _hand_variant() -> Variant:
 
     decode_fn = jax.jit(decode, donate_argnums=1)
     reset_fn = jax.jit(lambda caches: _empty_caches(), donate_argnums=0)
-    box = {"caches": on_device(_empty_caches())}
+    box = {"caches": placed(_empty_caches(), commit)}
 
     def call(token):
         box["caches"], token, logits = decode_fn(arrays, box["caches"], token)
@@ -355,7 +362,7 @@ def _hand_variant() -> Variant:
     def result(b):
         return dict(logits=b["logits"], token=b["token"], position=box["caches"][1])
 
-    return _decoding(BASELINE, "baseline", call, reset, result)
+    return _decoding(BASELINE, "baseline", call, reset, result, commit=commit)
 
 
 #
@@ -363,7 +370,7 @@ def _hand_variant() -> Variant:
 #
 
 
-def _nnx_variant() -> Variant:
+def _nnx_variant(commit: bool = True) -> Variant:
     from flax import nnx
 
     model = nnx_decoder()
@@ -388,6 +395,7 @@ def _nnx_variant() -> Variant:
         lambda t: decode(model, t),
         lambda: reset_fn(model),
         result,
+        commit=commit,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",
     )
@@ -417,10 +425,12 @@ class EqxDecoder(eqx.Module):
         return logits, state.set(self.position, pos)
 
 
-def _eqx_variant() -> Variant:
+def eqx_setup(commit: bool = True):
+    """Equinox's decoder and its state, and its two compiled functions:
+    `state, token, logits = decode(model, state, token)` and
+    `state = reset(model, state)`."""
     model, state = eqx.nn.make_with_state(EqxDecoder)(_weights())
-    model, state = on_device((model, state))
-    box = {"state": state}
+    model, state = placed((model, state), commit)
 
     @eqx.filter_jit(donate="all-except-first")
     def decode(model, state, token):
@@ -433,6 +443,13 @@ def _eqx_variant() -> Variant:
         for index, kv in zip(model.caches, kvs):
             state = state.set(index, kv)
         return state.set(model.position, pos)
+
+    return decode, reset, model, state
+
+
+def _eqx_variant(commit: bool = True) -> Variant:
+    decode, reset, model, state = eqx_setup(commit)
+    box = {"state": state}
 
     def call(token):
         box["state"], token, logits = decode(model, box["state"], token)
@@ -454,12 +471,21 @@ def _eqx_variant() -> Variant:
         call,
         do_reset,
         result,
+        commit=commit,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",
     )
 
 
+PEERS = {NNX: _nnx_variant, EQX: _eqx_variant}
+
+
 def variants(cfg: Config) -> list[Variant]:
     del cfg
-    peers = {NNX: _nnx_variant, EQX: _eqx_variant}
-    return assemble(ROWS, _hand_variant, _js_variant, peers)
+    return assemble(ROWS, _hand_variant, _js_variant, PEERS)
+
+
+def fresh_builders() -> dict[str, Callable[[], Variant]]:
+    """Each variant built as a user builds it (nothing committed to the device), a
+    fresh jitted function each time: for the time to first step."""
+    return builders(ROWS, _hand_variant, _js_variant, PEERS, commit=False)

@@ -11,16 +11,19 @@ hand-threaded baseline passes the statistics and the power-iteration vectors in
 and out of `jax.jit` (donated). All start from the same weights and vectors.
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxstate
 
-from ._common import bn_init_stats, hand_bn, on_device
+from ._common import bn_init_stats, hand_bn, on_device, placed
 from ._harness import Config, Variant
-from ._s6 import assemble, BASELINE, boxed, JAXSTATE_ROWS, WRAPS
+from ._s6 import assemble, BASELINE, boxed, builders, JAXSTATE_ROWS, WRAPS
 
 
 KEY = "S6a"
@@ -35,9 +38,9 @@ def _keys():
     return jax.random.split(jax.random.key(SEED), 4)
 
 
-def _data():
+def _data(commit: bool = True):
     xs = jax.random.normal(jax.random.key(SEED + 1), (BATCH, 3))
-    return on_device((xs, jnp.sin(xs) + 1))
+    return placed((xs, jnp.sin(xs) + 1), commit)
 
 
 def _optim():
@@ -80,10 +83,10 @@ def js_step(optim, model, opt_state, xs, ys):
     return eqx.apply_updates(model, updates), opt_state, loss
 
 
-def _js_variant(name: str) -> Variant:
+def _js_variant(name: str, commit: bool = True) -> Variant:
     optim = _optim()
-    model = on_device(JSModel())
-    opt_state = on_device(optim.init(eqx.filter(model, eqx.is_inexact_array)))
+    model = placed(JSModel(), commit)
+    opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
     f = WRAPS[name](lambda m, o, x, y: js_step(optim, m, o, x, y))
 
     def result(state, last):
@@ -100,7 +103,13 @@ def _js_variant(name: str) -> Variant:
         return out
 
     return boxed(
-        name, "jaxstate", f, [model, opt_state], [_data()], result, twin=BASELINE
+        name,
+        "jaxstate",
+        f,
+        [model, opt_state],
+        [_data(commit)],
+        result,
+        twin=BASELINE,
     )
 
 
@@ -146,13 +155,21 @@ class HandModel(eqx.Module):
         return self.linear2(x), (bn1, (u, v), bn2)
 
 
-def _hand_variant() -> Variant:
+def _hand_variant(commit: bool = True) -> Variant:
     optim = _optim()
     js = JSModel()
     uv = js.spectral_linear.uv.unsafe_get()
-    model = on_device(HandModel(js))
-    state = (bn_init_stats(3), on_device(uv), bn_init_stats(32))
-    opt_state = on_device(optim.init(eqx.filter(model, eqx.is_inexact_array)))
+    if not commit:
+        # Read from jaxstate's state, these are committed to its device; a
+        # hand-threaded program makes its own, uncommitted ones.
+        uv = jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), uv)
+    model = placed(HandModel(js), commit)
+    state = (
+        bn_init_stats(3, commit),
+        placed(uv, commit),
+        bn_init_stats(32, commit),
+    )
+    opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
 
     def step(model, state, opt_state, xs, ys):
         def loss_fn(model):
@@ -176,7 +193,9 @@ def _hand_variant() -> Variant:
             out[f"bn{i}_counter"] = counter
         return out
 
-    return boxed(BASELINE, "baseline", f, [model, state, opt_state], [_data()], result)
+    return boxed(
+        BASELINE, "baseline", f, [model, state, opt_state], [_data(commit)], result
+    )
 
 
 #
@@ -209,10 +228,10 @@ class EqxModel(eqx.Module):
         return self.linear2(jax.nn.relu(self.linear1(x))), state
 
 
-def _eqx_variant() -> Variant:
+def _eqx_variant(commit: bool = True) -> Variant:
     optim = _optim()
-    model, state = on_device(eqx.nn.make_with_state(EqxModel)())
-    opt_state = on_device(optim.init(eqx.filter(model, eqx.is_inexact_array)))
+    model, state = placed(eqx.nn.make_with_state(EqxModel)(), commit)
+    opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
 
     @eqx.filter_jit
     def step(model, state, opt_state, xs, ys):
@@ -243,7 +262,7 @@ def _eqx_variant() -> Variant:
         "peer",
         step,
         [model, state, opt_state],
-        [_data()],
+        [_data(commit)],
         result,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",
@@ -253,6 +272,12 @@ def _eqx_variant() -> Variant:
 def variants(cfg: Config) -> list[Variant]:
     del cfg
     return assemble(ROWS, _hand_variant, _js_variant, {EQX: _eqx_variant})
+
+
+def fresh_builders() -> dict[str, Callable[[], Variant]]:
+    """Each variant built as a user builds it (nothing committed to the device), a
+    fresh jitted function each time: for the time to first step."""
+    return builders(ROWS, _hand_variant, _js_variant, {EQX: _eqx_variant}, commit=False)
 
 
 def profile_setup():

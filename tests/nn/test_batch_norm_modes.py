@@ -186,9 +186,9 @@ def test_statistics_loaded_from_elsewhere_are_used_as_they_are():
 
 #
 # Why "debiased" is the default: the digits CNN of examples/train_digits.py,
-# benchmarks/bn_early.py's run (which also compares Flax NNX's own layer and every
-# seed; its table is in docs/layers.md). One training run serves both rules: the
-# same weights, evaluated in inference mode with each mode's statistics.
+# benchmarks/studies/bn_early.py's run (which also compares Flax NNX's own layer
+# and every seed; its table is in docs/layers.md). One training run serves both
+# rules: the same weights, evaluated in inference mode with each mode's statistics.
 #
 
 
@@ -196,7 +196,7 @@ def test_statistics_loaded_from_elsewhere_are_used_as_they_are():
 def test_default_beats_nnx_rule_early_in_training():
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks import bn_early
+    from benchmarks.studies import bn_early
 
     # Seed 1 of the benchmark's five; its smallest margin is 4 of 360 examples.
     acc = bn_early.run(

@@ -2,15 +2,20 @@
 
 Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
-same steps) and that the results tables have the expected rows. Timings are
-measured but never asserted on.
+same steps) and that the results tables have the expected rows; runs the time to
+first step (S6a's fresh builds, and S7 as `--quick` runs it) and checks its counts
+of compilations. Timings are measured but never asserted on.
 """
 
 import dataclasses
+import re
 import sys
 
+import equinox as eqx
+import jax
 import numpy as np
 import pytest
+from jax._src.interpreters import pxla
 
 from tests.helpers import ROOT
 
@@ -20,13 +25,17 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import (  # noqa: E402
     __main__ as bench_main,
+    _first,
+    _s6,
     s1_dispatch,
     s5_loops,
     s6_cnn,
     s6_decode,
     s6_mlp,
+    s7_resnet,
 )
 from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
+from benchmarks.studies import profile_filter_jit as F  # noqa: E402
 
 
 # Not in the typechecked pass (conftest.py): the benchmarks' programs.
@@ -115,7 +124,7 @@ def test_the_profile_splits_a_fast_path_call():
     # The profile in docs/performance.md: a copy of jaxstate.jit's fast path with
     # clocks between its stages. If src/ changes the path, this fails here rather
     # than printing an unusable report.
-    from benchmarks import profile_jit as P
+    from benchmarks.studies import profile_jit as P
 
     fun, args = s1_dispatch.profile_setup()
     hand = s1_dispatch._hand_variant()
@@ -154,3 +163,186 @@ def test_ratios_are_medians_of_per_round_ratios():
     res = ScenarioResult("X", "", "", "", [], {"a": a, "b": b}, "a", None)
     assert res.ratio("b", "pipelined") == 2.0
     assert res.ratio("a", "pipelined", to="b") == 0.5
+
+
+#
+# Time to first step.
+#
+
+
+def _compiles(cell: str) -> list[int]:
+    """ "1+1+0" -> [1, 1, 0]; one round, so one pattern."""
+    assert re.fullmatch(r"\d+(\+\d+)*", cell), cell
+    return [int(n) for n in cell.split("+")]
+
+
+def _check_first_steps(fs: _first.FirstSteps, names: list[str], once: list[str]):
+    assert fs.names == names
+    assert fs.agreement is not None and fs.agreement.ok, fs.agreement.summary()
+    assert not fs.later_disagreements
+    # The persistent cache (on in this suite, see conftest.py) was off, and is back.
+    assert fs.cache_hits == 0
+    assert jax.config.jax_enable_compilation_cache  # pyright: ignore
+    assert set(fs.runs) == set(names), fs.unavailable
+    table = fs.table("", {"ref": names[0]})
+    assert [row[0] for row in table.rows] == names
+    column = table.header.index(f"compiles (calls 1+…+{_first.CALLS})")
+    for row in table.rows:
+        counts = _compiles(row[column])
+        assert len(counts) == _first.CALLS
+        # Compiled on the first call, at full speed (no more compiling) by the last.
+        assert counts[0] >= 1 and counts[-1] == 0, row
+        if row[0] in once:
+            # Fresh and uncommitted, as a user's: compiled once, not per placement.
+            assert counts == [1, 0, 0], row
+        assert float(row[1]) > 0
+
+
+@pytest.mark.slow
+def test_s6a_time_to_first_step():
+    # Three of the five rows: each compiles a training step, twice for jaxstate's.
+    names = [_s6.BASELINE, _s6.JAXSTATE_JIT, s6_mlp.EQX]
+    builders = {k: b for k, b in s6_mlp.fresh_builders().items() if k in names}
+    fs = _first.first_steps(builders, 1, check_round=False)
+    _check_first_steps(fs, names, once=[_s6.BASELINE, s6_mlp.EQX])
+
+
+def test_s7_time_to_first_step_quick():
+    cfg = Config.make(quick=True)
+    assert cfg.s7_stages == 1 and not cfg.first_check_round
+    res = bench_main.run_s7(cfg)
+    assert res.agreement is not None and res.agreement.ok, res.agreement.summary()
+    assert f"{s7_resnet.n_batchnorms(1)} BatchNorms" in res.title
+    (table,) = res.tables
+    assert [row[0] for row in table.rows] == s7_resnet.ROWS
+    column = table.header.index(f"compiles (calls 1+…+{_first.CALLS})")
+    for row in table.rows:
+        counts = _compiles(row[column])
+        assert counts[0] >= 1 and counts[-1] == 0, row
+    assert _compiles(table.rows[0][column]) == [1, 0, 0]
+    # Two targets (first call, first calls) per jaxstate row, each against Equinox.
+    assert [t.label.split(",")[0] for t in res.targets] == [
+        name for name in s7_resnet.TARGET_ROWS for _ in range(2)
+    ]
+    assert all(t.value > 0 and t.primary for t in res.targets)
+    assert s7_resnet.n_batchnorms(4) == 21
+
+
+def test_first_steps_reports_a_failing_variant():
+    def broken():
+        raise ValueError("no such layer")
+
+    errors = []
+    fs = _first.first_steps(
+        {"ok": s1_dispatch._hand_variant, "broken": broken},
+        1,
+        on_error=lambda name, why: errors.append((name, why)),
+    )
+    assert errors == [("broken", "failed to run: ValueError: no such layer")]
+    assert set(fs.runs) == {"ok"} and fs.unavailable == {"broken": errors[0][1]}
+    row = fs.table("", {}).rows[1]
+    assert row[0] == "broken" and row[1].startswith("unavailable: failed to run")
+
+
+#
+# The eqx.filter_jit profile (benchmarks/studies/profile_filter_jit.py), on S1's
+# small model: its copy of Equinox's call and its clocks.
+#
+
+
+def _s1_driver(wrap):
+    fun, (model, x) = s1_dispatch.profile_setup()
+    return F._Driver(
+        wrap(fun), [model, x], lambda d, out: d.args.__setitem__(0, out[0]), None
+    )
+
+
+def _bn_stats(driver):
+    return driver.args[0].bn.batch_state.unsafe_get()
+
+
+def test_filter_jit_profile_copies_equinox_call():
+    real, copy = _s1_driver(eqx.filter_jit), _s1_driver(eqx.filter_jit)
+    spent = dict.fromkeys(F.EQX_STAGES, 0.0)
+    for _ in range(3):
+        want, got = real.real(), copy.copy(spent)
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    for a, b in zip(_bn_stats(copy), _bn_stats(real), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert all(spent[k] > 0 for k in (F.PRE, F.DISPATCH, F.WAIT, F.POST))
+    assert spent[F.REST] == 0  # timed alone, not by the copy
+    assert F._eqx_rest_us(real.fun) > 0
+
+
+def test_filter_jit_profile_clocks_jax_python_path_and_restores_it():
+    d = _s1_driver(eqx.filter_jit)
+    for _ in range(2):
+        d.real()
+    # A function that reaches jax.Refs runs JAX's Python path on every call...
+    (ex,) = F._executables(d.real)
+    # ...and one that does not, once warm, only JAX's C++ path.
+    plain = jax.jit(lambda a: a + 1)
+    plain(np.float32(1))
+    assert F._executables(lambda: plain(np.float32(2))) == []
+
+    original, inner = pxla.ExecuteReplicated.__call__, ex.xla_executable
+    clocks = F._jax_clocks()
+    with F._applied(clocks, [ex]):
+        assert isinstance(ex.xla_executable, F._TimedExecutable)
+        for _ in range(3):
+            d.real()
+    assert pxla.ExecuteReplicated.__call__ is original
+    assert ex.xla_executable is inner
+    parts = F._jax_parts(clocks, 3)
+    assert set(parts) == {label or F.JAX_PARTS[1][0] for label, *_ in F.JAX_PARTS}
+    for label in (F.JAX_PARTS[0][0], F.JAX_PARTS[1][0], F.EXECUTE):
+        assert parts[label] > 0, label
+
+
+def test_filter_jit_profile_counts_jaxstate_callbacks_only():
+    d = _s1_driver(eqx.filter_jit)
+    d.real()
+    units = F._units()
+    rows, other = F._jaxstate_calls(d.real, 5, units)
+    # Per call, jaxstate runs its index's pytree callbacks and nothing else: its
+    # reads and writes ran while tracing.
+    assert other == []
+    what = {w: n for w, n, _ in rows}
+    assert what[units[("_storage.py", "_flatten")][0]] >= 1
+    assert what[units[("_storage.py", "<lambda>")][0]] >= 1
+    assert all(n > 0 and us > 0 for _, n, us in rows)
+
+
+def test_filter_jit_profile_renders_every_stage():
+    from benchmarks._report import _filter_jit_profile
+
+    parts = {label or F.JAX_PARTS[1][0]: 1.0 for label, *_ in F.JAX_PARTS}
+    parts[F.JAX_REST] = 3.0
+    stages = dict.fromkeys(F.EQX_STAGES, 2.0)
+    stages[F.DISPATCH] = 9.0
+    extra = {F.TOTAL: 20.0, F.COPY: 21.0, F.NO_WAIT: 15.0, F.NO_WAIT_EXECUTE: 0.5}
+    extra[F.UNFLATTEN] = 0.25
+    split = F.Breakdown(stages, parts, extra)
+    study = F.Study(
+        "S6c",
+        s6_decode.TITLE,
+        {name: (1.0, 2.0, 3.0) for name in [*s6_decode.ROWS[:4], s6_decode.EQX]},
+        {
+            _s6.FILTER_JIT: split,
+            _s6.JAX_JIT: F.Breakdown({F.DISPATCH: 9.0}, parts, {}),
+            s6_decode.EQX: split,
+        },
+        {_s6.FILTER_JIT: [("`Handle` flatten", 4.0, 0.5)]},
+        {_s6.JAX_JIT: ["`_ops.py:get_state` (1 per call)"]},
+    )
+    text = "\n".join(_filter_jit_profile([study]))
+    assert text.startswith("## Profile: eqx.filter_jit against jaxstate.jit")
+    for label in [*F.EQX_STAGES, *parts, *extra]:
+        assert label in text, label
+    # The reading names each library's share with the numbers above.
+    assert "JAX's Python dispatch path 8 µs" in text  # dispatch less execute
+    assert "Equinox's Python 6 µs" in text
+    assert "jaxstate's pytree callbacks 2.0 µs" in text
+    assert "Other jaxstate functions run per call: `_ops.py:get_state`" in text
+    failed = F.Study("S6b", s6_cnn.TITLE, {}, {}, {}, {}, error="ValueError: no")
+    assert "Unavailable: ValueError: no" in "\n".join(F.render([failed]))

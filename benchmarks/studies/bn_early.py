@@ -14,8 +14,8 @@ updated in lockstep on the very same activations. `"ema"` normalises differently
 in training, so it gets a training run of its own, with the same initial weights
 and the same batches.
 
-    python -m benchmarks.bn_early                 # 5 seeds, ~1.5 min on 2 CPU cores
-    python -m benchmarks.bn_early --seeds 1 --momentum 0.9
+    python -m benchmarks.studies.bn_early     # 5 seeds, ~1.5 min on 2 CPU cores
+    python -m benchmarks.studies.bn_early --seeds 1 --momentum 0.9
 
 Prints one table (mean test accuracy over the seeds, and the range) in Markdown.
 The table in docs/layers.md is its output.

@@ -1,6 +1,7 @@
-"""`python -m benchmarks.profile_s6 [--calls N] [--callgrind] [--counts S1,S6a]`:
-the digits CNN training step of S6b under `jaxstate.jit` against the same step
-threaded by hand through `jax.jit`, compared by counts rather than by time.
+"""`python -m benchmarks.studies.profile_s6 [--calls N] [--callgrind]
+[--counts S1,S6a]`: the digits CNN training step of S6b under `jaxstate.jit`
+against the same step threaded by hand through `jax.jit`, compared by counts rather
+than by time.
 
 The jaxstate step is timed as a user would write it (model, optax state and
 metrics as three arguments) and, for comparison, with its arguments grouped into
@@ -42,7 +43,7 @@ import jax
 
 import jaxstate
 
-from . import s6_cnn
+from .. import s6_cnn
 
 
 #
@@ -338,7 +339,7 @@ def callgrind(name: str, calls: int) -> tuple[float, float] | str:
             f"--callgrind-out-file={out}",
             sys.executable,
             "-m",
-            "benchmarks.profile_s6",
+            "benchmarks.studies.profile_s6",
             "--callgrind-child",
             name,
             "--calls",
@@ -366,8 +367,8 @@ def callgrind(name: str, calls: int) -> tuple[float, float] | str:
 def variant_counts(keys: list[str], calls: int) -> list[str]:
     """Python calls and bytecodes per step of every variant of some scenarios:
     exact counts, comparable on a busy machine where times are not."""
-    from . import s1_dispatch, s2_cnn, s6_decode, s6_mlp
-    from ._harness import check, Config
+    from .. import s1_dispatch, s2_cnn, s6_decode, s6_mlp
+    from .._harness import check, Config
 
     modules = {
         "S1": s1_dispatch,
@@ -402,7 +403,7 @@ def variant_counts(keys: list[str], calls: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_s6")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.profile_s6")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Step time of the data-parallel digits CNN (examples/train_digits_distributed.py's
 training step) on 1, 2, 4 and 8 CPU devices, each count in a fresh process.
 
-    python -m benchmarks.scaling            # prints a Markdown table
+    python -m benchmarks.studies.scaling            # prints a Markdown table
 """
 
 import json
@@ -19,7 +19,7 @@ def _measure(devices: int, steps: int) -> dict:
 
     import jaxstate
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
     from train_digits import adam_init, CNN, load_data, train_step
 
     # Auto axes, as in examples/train_digits_distributed.py (dropout under vmap).
@@ -62,7 +62,7 @@ def main(steps: int = 20) -> list[dict]:
             [
                 sys.executable,
                 "-m",
-                "benchmarks.scaling",
+                "benchmarks.studies.scaling",
                 "--child",
                 str(devices),
                 str(steps),
@@ -70,7 +70,7 @@ def main(steps: int = 20) -> list[dict]:
             capture_output=True,
             text=True,
             check=True,
-            cwd=os.path.join(os.path.dirname(__file__), ".."),
+            cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = rows[0]["ms_per_step"]

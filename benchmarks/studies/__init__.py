@@ -1,0 +1,17 @@
+"""Studies: one-off measurements made to answer a question, each with its own
+command. Unlike the scenarios of `python -m benchmarks`, they have no targets; some
+feed a section of docs/performance.md or a table elsewhere in docs/.
+
+- `bn_early`: inference accuracy of each BatchNorm running-statistics rule early in
+  training (`python -m benchmarks.studies.bn_early`; the table in docs/layers.md).
+- `scaling`: step time of the data-parallel digits CNN on 1-8 CPU devices
+  (`python -m benchmarks.studies.scaling`; the table in docs/scaling.md).
+- `profile_jit`: where the time of one `jaxstate.jit` call goes, by stage; used by
+  `python -m benchmarks` for its profile section when a target is missed.
+- `profile_s6`: the S6b step against its hand-threaded twin by counts (HLO, Python
+  calls, bytecodes, instructions) (`python -m benchmarks.studies.profile_s6`).
+- `profile_filter_jit`: where a step compiled with `eqx.filter_jit` (or `jax.jit`)
+  spends the time a `jaxstate.jit` step does not
+  (`python -m benchmarks.studies.profile_filter_jit`; a section of
+  docs/performance.md).
+"""
