@@ -434,10 +434,8 @@ def _per_node_us(nodes: list) -> tuple[float, float]:
 
 def _units() -> dict[tuple[str, str], tuple[str, float]]:
     """(file, function) -> (what, µs per call measured alone) for the jaxstate
-    functions a compiled call runs: the pytree callbacks of an index (the two
-    lambdas of `_flag.py` told apart as "<lambda>:flatten" and
-    "<lambda>:unflatten")."""
-    from jaxstate import _flag as F, _storage as S
+    functions a compiled call runs: the pytree callbacks of an index."""
+    from jaxstate._core import _flag as F, _storage as S
 
     index = jaxstate.StateIndex(init=jnp.zeros(3))
     handle: S.Handle = index._handle
@@ -453,8 +451,8 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             "`Handle` flatten (`_storage._flatten`: a new `Key`)",
             handle_f,
         ),
-        ("_storage.py", "<lambda>"): (
-            "`Handle` unflatten (`Handle(key, key.take())`)",
+        ("_storage.py", "_unflatten"): (
+            "`Handle` unflatten (`_storage._unflatten`)",
             handle_u,
         ),
         ("_storage.py", "__hash__"): (
@@ -465,30 +463,15 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             "`Key.__eq__` (JAX's cache lookup)",
             us(lambda: key == other),
         ),
-        ("_flag.py", "<lambda>:flatten"): (
+        ("_flag.py", "_flatten"): (
             "`Flag` flatten (the `inference` field)",
             flag_f,
         ),
-        ("_flag.py", "<lambda>:unflatten"): (
-            "`Flag` unflatten (`Flag(aux)`, a new object)",
+        ("_flag.py", "_unflatten"): (
+            "`Flag` unflatten (one of two shared flags)",
             flag_u,
         ),
     }
-
-
-def _flag_lambdas() -> dict[int, str]:
-    """Line -> "flatten" / "unflatten" of the two lambdas registering `Flag`."""
-    import inspect
-
-    from jaxstate import _flag as F
-
-    lines, first = inspect.getsourcelines(F)
-    out, seen = {}, False
-    for i, line in enumerate(lines, start=first or 1):
-        seen = seen or "register_pytree_node(" in line
-        if seen and "lambda" in line and len(out) < 2:
-            out[i] = "flatten" if not out else "unflatten"
-    return out
 
 
 def _jaxstate_calls(
@@ -505,14 +488,11 @@ def _jaxstate_calls(
     jax.block_until_ready(out)
     counts: dict[tuple[str, str], float] = collections.defaultdict(float)
     other = []
-    flags = _flag_lambdas()
-    for (file, line, name), entry in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+    for (file, _, name), entry in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
         parts = Path(file).parts
-        if len(parts) < 2 or parts[-2] != "jaxstate":
+        if "jaxstate" not in parts[:-1]:
             continue
         where = (parts[-1], name)
-        if where == ("_flag.py", "<lambda>"):
-            where = (parts[-1], f"<lambda>:{flags.get(line, '?')}")
         if where in units:
             counts[where] += entry[1] / n
         elif where not in _NESTED:

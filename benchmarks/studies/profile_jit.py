@@ -1,25 +1,25 @@
 """Where the time of one `jaxstate.jit` call goes.
 
 `breakdown` runs a step that takes `jaxstate.jit`'s fast path (the arguments match
-the last call's plan: src/jaxstate/_jit_args.py, `Plan`) through a copy of that
-path, `_timed_call`, which calls the same helpers in the same order as
-`_JitWrapper.__call__` (src/jaxstate/_jit.py) and reads the clock between them:
+the last call by identity: `Memo.match` in src/jaxstate/_jit/_memo.py) with clocks
+around each stage of the real call path (`_JitWrapper.__call__` and `execute` in
+src/jaxstate/_jit/_wrapper.py): the stages' functions are wrapped, so there is no
+copy of the path to drift from it.
 
-- matching the arguments against the last call (`Plan.match`, the donation split);
+- matching the arguments against the last call (`Memo.match`), the donation split;
 - checking the states out, with Ctrl-C deferred (`_lock.take`), and back in
   (`_lock.give`);
 - reading the state buffers, and writing the new ones back;
 - the compiled call itself (JAX's C++ dispatch of flat lists of arrays, and the
   static output node's Python callback);
-- rebuilding the outputs (`_rebuild_outputs`: the returned modules unflattened
+- rebuilding the outputs (`_outputs.rebuild`: the returned modules unflattened
   around the output arrays and remembered for the next call).
 
-The copy's total, the real `jaxstate.jit` call and the hand-threaded step are timed
-in the same interleaved rounds (host µs per call: many calls, then one wait; the
-best round of each, as `timeit` reports), so a copy that drifted from `__call__`
-would show as a gap between the first two. The
-output `tree_unflatten` is also timed alone, as the part of the rebuild that is
-Equinox's and JAX's own code.
+The call with clocks, the same call without them and the hand-threaded step are
+timed in the same interleaved rounds (host µs per call: many calls, then one wait;
+the best round of each, as `timeit` reports). The clocks' own cost (well under a µs
+per stage) is the gap between the first two. The output `tree_unflatten` is also
+timed alone, as the part of the rebuild that is Equinox's and JAX's own code.
 
 `cprofile` gives cProfile's view of real wrapper calls (inflated by cProfile's own
 overhead, but it names the functions). `first_call_phases` times the phases of a
@@ -41,14 +41,14 @@ import jax
 import jaxstate
 
 
-# The stages of `_timed_call`, in order (keys of `Breakdown.pieces`).
-MATCH = "match the arguments with the last call's (`Plan.match`), donation split"
+# The stages of a call, in order (keys of `Breakdown.pieces`).
+MATCH = "match the arguments with the last call's (`Memo.match`), donation split"
 TAKE = "check the states out, Ctrl-C deferred (`_lock.take`)"
 READ = "read the state buffers"
 PROGRAM = "the compiled call (JAX's C++ dispatch; flat lists in and out)"
 WRITE = "write the new state buffers back"
 GIVE = "check the states back in (`_lock.give`)"
-REBUILD = "rebuild the outputs (`_rebuild_outputs`)"
+REBUILD = "rebuild the outputs (`_outputs.rebuild`)"
 STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD)
 # Other keys of `Breakdown.pieces`.
 NEXT_CALL = (
@@ -56,7 +56,7 @@ NEXT_CALL = (
     "and so frees what only they still held (an optax state's arrays)"
 )
 UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
-COPY = "sum: the copy of the fast path"
+COPY = "jaxstate.jit, the whole call with clocks around its stages"
 FULL = "jaxstate.jit, the whole call"
 HAND = "hand-threaded step, the whole call"
 # Keys of `Breakdown.counts`.
@@ -99,46 +99,6 @@ def _n_modules(treedef) -> int:
     return own + sum(_n_modules(c) for c in treedef.children())
 
 
-def _timed_call(wrapper, args: tuple, spent: list[float]) -> Any:
-    """`wrapper(*args)` on its fast path, as `_JitWrapper.__call__` runs it, adding
-    the time of each stage (see `STAGES`) to `spent`."""
-    from jaxstate._core import _lock as L
-
-    pc = time.perf_counter
-    t0 = pc()
-    memo = wrapper.memo
-    plan = memo.plan
-    matched = None if plan is None else plan.match(args, memo)
-    if matched is None:
-        raise RuntimeError("the step does not take jaxstate.jit's fast path")
-    arrays, call = matched
-    compiled = plan.compiled
-    if compiled.closed and any(s.id in compiled.closed for s in call.storages):
-        raise RuntimeError("the step passes a state its function closes over")
-    kept, donated = wrapper._split(arrays, plan.n_first)
-    ids, impls = call.ids, call.impls
-    t1 = pc()
-    opened = L.take(ids)
-    try:
-        t2 = pc()
-        bufs = [impl._buf for impl in impls]
-        t3 = pc()
-        out_arrays, static, new_bufs = compiled.jitted(kept, donated, bufs, None)
-        t4 = pc()
-        for impl, buf in zip(impls, new_bufs, strict=True):
-            impl._buf = buf
-        t5 = pc()
-    finally:
-        L.give(ids, opened)
-    t6 = pc()
-    out = wrapper._rebuild_outputs(compiled, call, out_arrays, static)
-    t7 = pc()
-    for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
-        spent[i] += dt
-    spent[6] += t7 - t6
-    return out
-
-
 def breakdown(
     fun: Callable,
     args: tuple,
@@ -156,52 +116,56 @@ def breakdown(
         return Breakdown({}, {}, error=f"{type(e).__name__}: {e}"[:200])
 
 
+def _clocks(wrapper, program) -> "_Clocks":
+    """Clocks around every stage of `wrapper`'s calls (see the module docstring)."""
+    from jaxstate import _jax
+    from jaxstate._jit import _wrapper as W
+
+    clocks = _Clocks()
+    clocks.add(wrapper.memo, "match", MATCH)
+    clocks.add(wrapper, "_split", MATCH + " ")
+    clocks.add(W, "take", TAKE)
+    clocks.add(_jax, "holder_buffers", READ)
+    clocks.add(program, "run", PROGRAM)
+    clocks.add(_jax, "set_holder_buffers", WRITE)
+    clocks.add(W, "give", GIVE)
+    clocks.add(W, "rebuild", REBUILD)
+    clocks.add(wrapper.memo, "next_call", NEXT_CALL)
+    return clocks
+
+
 def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     wrapper = jaxstate.jit(fun)
     state = {"args": args}
-    spent = [0.0] * (len(STAGES) + 1)  # the last: `Memo.next_call`
 
     def real():
         out = wrapper(*state["args"])
         state["args"] = next_args(out, state["args"])
         return out
 
-    memo = wrapper.memo
-    next_call = memo.next_call
-
-    def timed_next_call():
-        t0 = time.perf_counter()
-        next_call()
-        spent[-1] += time.perf_counter() - t0
-
-    def copy():
-        memo.next_call = timed_next_call
-        try:
-            out = _timed_call(wrapper, state["args"], spent)
-        finally:
-            del memo.next_call
-        state["args"] = next_args(out, state["args"])
-        return out
-
     for _ in range(20):
         jax.block_until_ready(real())
-    jax.block_until_ready(copy())
-    # What one call sees: counts, and the output to time its unflatten alone.
-    plan = memo.plan
-    arrays, call = plan.match(state["args"], memo)
-    counts = {N_ARRAYS: len(arrays), N_BUFS: len(call.impls)}
+    memo = wrapper.memo
+    last = memo.last
+    matched = memo.match(state["args"])
+    if last is None or matched is None:
+        raise RuntimeError("the step does not take jaxstate.jit's fast path")
+    arrays, call = matched
+    counts = {N_ARRAYS: len(arrays), N_BUFS: len(call.holders)}
+    program = last.program
+    # What one call returns, to time its unflatten alone.
     captured = {}
-    jitted = plan.compiled.jitted
+    run = program.run
 
-    def capture(*inputs):
-        captured["out"] = out = jitted(*inputs)
+    def capture(*a):
+        captured["out"] = out = run(*a)
         return out
 
-    plan.compiled.jitted = capture
+    program.run = capture
     try:
         jax.block_until_ready(real())
     finally:
-        plan.compiled.jitted = jitted
+        del program.run
     out_arrays, static, _ = captured["out"]
     jobs, start = [], 0
     for op in static.value[1]:
@@ -215,20 +179,30 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     def unflatten():
         return [treedef.unflatten(leaves) for treedef, leaves in jobs]
 
+    clocks = _clocks(wrapper, program)
     samples: dict[str, list[float]] = {
-        k: [] for k in (*STAGES, NEXT_CALL, UNFLATTEN, COPY)
+        k: [] for k in (*STAGES, NEXT_CALL, UNFLATTEN, COPY, FULL, HAND)
     }
-    samples[FULL], samples[HAND] = [], []
     n = max(20, calls // rounds)
-    runs = {HAND: baseline_call, FULL: real, COPY: copy, UNFLATTEN: unflatten}
+    runs = {HAND: baseline_call, FULL: real, COPY: real, UNFLATTEN: unflatten}
     for r in range(rounds):
         names = list(runs)
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            spent[:] = [0.0] * len(spent)
-            samples[name].append(_per_call_us(runs[name], n))
-            if name == COPY:
-                for stage, total in zip((*STAGES, NEXT_CALL), spent, strict=True):
-                    samples[stage].append(1e6 * total / n)
+            if name != COPY:
+                samples[name].append(_per_call_us(runs[name], n))
+                continue
+            clocks.reset()
+            clocks.apply()
+            try:
+                samples[name].append(_per_call_us(runs[name], n))
+            finally:
+                clocks.restore()
+            # Inclusive times: only `next_call` runs inside another stage (the
+            # rebuild), and it is reported as a part of it.
+            spent = dict(clocks.incl)
+            spent[MATCH] += spent.pop(MATCH + " ")
+            for stage in (*STAGES, NEXT_CALL):
+                samples[stage].append(1e6 * spent[stage] / n)
     # The best round of each: a fixed amount of CPU work, which the machine's
     # noise only ever lengthens (as `timeit` reports).
     pieces = {k: min(v) for k, v in samples.items()}

