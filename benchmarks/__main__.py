@@ -29,7 +29,7 @@ from . import (
     s6_cnn,
     s6_decode,
     s6_mlp,
-    s7_resnet,
+    s6_resnet,
 )
 from ._common import one_core_busy
 from ._first import CALLS, first_steps
@@ -48,9 +48,9 @@ from .studies import profile_filter_jit, profile_jit
 
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c", "S7"]
+SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c", "S6d"]
 # `--only S6` runs the three real programs.
-ALIASES = {"S6": ["S6a", "S6b", "S6c"]}
+ALIASES = {"S6": ["S6a", "S6b", "S6c", "S6d"]}
 
 
 class _NoBar:
@@ -373,40 +373,40 @@ def run_s6c(cfg: Config) -> ScenarioResult:
     return _run_s6(s6_decode, cfg, s6_decode.EQX)
 
 
-def run_s7(cfg: Config) -> ScenarioResult:
-    stages = cfg.s7_stages
+def run_s6d(cfg: Config) -> ScenarioResult:
+    stages = cfg.s6d_stages
     res = ScenarioResult(
-        key=s7_resnet.KEY,
-        title=s7_resnet.TITLE
+        key=s6_resnet.KEY,
+        title=s6_resnet.TITLE
         if stages == 4
-        else s7_resnet.TITLE.replace(
+        else s6_resnet.TITLE.replace(
             "21 BatchNorms",
             f"cut to {stages} of its 4 stages, "
-            f"{s7_resnet.n_batchnorms(stages)} BatchNorms",
+            f"{s6_resnet.n_batchnorms(stages)} BatchNorms",
         ),
-        description=(s7_resnet.__doc__ or "").split("\n\n", 1)[-1].strip(),
+        description=(s6_resnet.__doc__ or "").split("\n\n", 1)[-1].strip(),
         unit="s",
         variants=[],
         timings={},
-        baseline=s7_resnet.BASELINE,
+        baseline=s6_resnet.BASELINE,
         agreement=None,
     )
     fs = _add_first_steps(
         res,
-        s7_resnet.fresh_builders(stages),
+        s6_resnet.fresh_builders(stages),
         cfg,
-        {"eqx.nn.State": s7_resnet.EQX},
+        {"eqx.nn.State": s6_resnet.EQX},
         own=True,
     )
-    for name in s7_resnet.TARGET_ROWS:
+    for name in s6_resnet.TARGET_ROWS:
         for which, label in (("first", "first call"), ("full", f"first {CALLS} calls")):
-            r = fs.ratio(name, s7_resnet.EQX, which)
+            r = fs.ratio(name, s6_resnet.EQX, which)
             res.targets.append(
                 Target(
-                    f"{name}, {label} / {s7_resnet.EQX}",
+                    f"{name}, {label} / {s6_resnet.EQX}",
                     r,
-                    f"≤ {s7_resnet.GOAL:g}×",
-                    r <= s7_resnet.GOAL,
+                    f"≤ {s6_resnet.GOAL:g}×",
+                    r <= s6_resnet.GOAL,
                 )
             )
     res.notes.append(
@@ -429,7 +429,7 @@ RUNNERS: dict[str, Callable[[Config], ScenarioResult]] = {
     "S6a": run_s6a,
     "S6b": run_s6b,
     "S6c": run_s6c,
-    "S7": run_s7,
+    "S6d": run_s6d,
 }
 
 
@@ -439,7 +439,7 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
         f"{res.key}: {t.label}"
         for res in results.values()
         for t in res.targets
-        if t.primary and not t.met and res.key not in ("S4", "S7")
+        if t.primary and not t.met and res.key not in ("S4", "S6d")
     ]
     if not missed:
         return None

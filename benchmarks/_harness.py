@@ -46,7 +46,7 @@ class Config:
     profile_calls: int = 3000
     first_rounds: int = 3  # time to first step: timed rounds of fresh builds
     first_check_round: bool = True  # an untimed round first, that checks results
-    s7_stages: int = 4  # S7's ResNet: stages kept (4: all, 21 BatchNorms)
+    s6d_stages: int = 4  # S6d's ResNet: stages kept (4: all, 21 BatchNorms)
 
     @classmethod
     def make(cls, quick: bool) -> "Config":
@@ -65,7 +65,7 @@ class Config:
             profile_calls=300,
             first_rounds=1,
             first_check_round=False,
-            s7_stages=1,
+            s6d_stages=1,
         )
 
 

@@ -25,7 +25,7 @@ HOW = """\
   the ratio of the two medians shown.
 - S4 measures memory, not time: one subprocess per variant, the peak resident set
   (VmHWM) reset after compiling, then stepped.
-- Time to first step (S6a-c's second table, and S7): each round builds every
+- Time to first step (S6a-c's second table, and S6d): each round builds every
   variant afresh as a user does (nothing committed to a device) with a new jitted
   function, so that no cache of an earlier build can help, and times its first 3
   calls one by one, blocking on each; building is not timed. JAX's persistent
@@ -106,8 +106,8 @@ def render(
             if not missed
             else f"Missed in: {', '.join(missed)} (see the profile sections below"
             + (
-                "; for S7, the compilations per call in its table)."
-                if "S7" in missed
+                "; for S6d, the compilations per call in its table)."
+                if "S6d" in missed
                 else ")."
             )
         ),

@@ -3,7 +3,7 @@
 Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
 same steps) and that the results tables have the expected rows; runs the time to
-first step (S6a's fresh builds, and S7 as `--quick` runs it) and checks its counts
+first step (S6a's fresh builds, and S6d as `--quick` runs it) and checks its counts
 of compilations. Timings are measured but never asserted on.
 """
 
@@ -32,7 +32,7 @@ from benchmarks import (  # noqa: E402
     s6_cnn,
     s6_decode,
     s6_mlp,
-    s7_resnet,
+    s6_resnet,
 )
 from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
 from benchmarks.studies import profile_filter_jit as F  # noqa: E402
@@ -209,12 +209,12 @@ def test_s6a_time_to_first_step():
 
 def test_s7_time_to_first_step_quick():
     cfg = Config.make(quick=True)
-    assert cfg.s7_stages == 1 and not cfg.first_check_round
-    res = bench_main.run_s7(cfg)
+    assert cfg.s6d_stages == 1 and not cfg.first_check_round
+    res = bench_main.run_s6d(cfg)
     assert res.agreement is not None and res.agreement.ok, res.agreement.summary()
-    assert f"{s7_resnet.n_batchnorms(1)} BatchNorms" in res.title
+    assert f"{s6_resnet.n_batchnorms(1)} BatchNorms" in res.title
     (table,) = res.tables
-    assert [row[0] for row in table.rows] == s7_resnet.ROWS
+    assert [row[0] for row in table.rows] == s6_resnet.ROWS
     column = table.header.index(f"compiles (calls 1+…+{_first.CALLS})")
     for row in table.rows:
         counts = _compiles(row[column])
@@ -222,10 +222,10 @@ def test_s7_time_to_first_step_quick():
     assert _compiles(table.rows[0][column]) == [1, 0, 0]
     # Two targets (first call, first calls) per jaxstate row, each against Equinox.
     assert [t.label.split(",")[0] for t in res.targets] == [
-        name for name in s7_resnet.TARGET_ROWS for _ in range(2)
+        name for name in s6_resnet.TARGET_ROWS for _ in range(2)
     ]
     assert all(t.value > 0 and t.primary for t in res.targets)
-    assert s7_resnet.n_batchnorms(4) == 21
+    assert s6_resnet.n_batchnorms(4) == 21
 
 
 def test_first_steps_reports_a_failing_variant():

@@ -1,4 +1,4 @@
-"""S7, time to first step: a ResNet-18-like network with 21 BatchNorms on 32×32
+"""S6d, time to first step: a ResNet-18-like network with 21 BatchNorms on 32×32
 inputs, trained with Adam (optax), written as a user writes it with
 `jaxstate.nn.BatchNorm` and with `eqx.nn.BatchNorm` + `eqx.nn.State`.
 
@@ -31,7 +31,7 @@ from ._harness import guarded, Variant
 from ._s6 import boxed, FILTER_JIT, JAX_JIT, JAXSTATE_JIT, JAXSTATE_ROWS, WRAPS
 
 
-KEY = "S7"
+KEY = "S6d"
 TITLE = "time to first step: ResNet-18-like, 21 BatchNorms, Adam (optax)"
 EQX = "Equinox eqx.nn.State + eqx.filter_jit"
 ROWS = [EQX, *JAXSTATE_ROWS]
