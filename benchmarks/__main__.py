@@ -49,7 +49,7 @@ from .studies import profile_filter_jit, profile_jit
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c", "S6d"]
-# `--only S6` runs the three real programs.
+# `--only S6` runs the four real programs.
 ALIASES = {"S6": ["S6a", "S6b", "S6c", "S6d"]}
 
 

@@ -117,7 +117,7 @@ def test_s6_rows_and_alias():
             "jax.jit + jaxstate (model as argument)",
         ]
         assert module.KEY in bench_main.RUNNERS
-    assert bench_main.ALIASES["S6"] == ["S6a", "S6b", "S6c"]
+    assert bench_main.ALIASES["S6"] == ["S6a", "S6b", "S6c", "S6d"]
 
 
 def test_the_profile_splits_a_fast_path_call():
