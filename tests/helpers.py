@@ -2,11 +2,14 @@
 with state, the ways a checkpoint goes out and back in, and assertions about stored
 state. (Fixtures live in `conftest.py`; docs/testing.md lists both.)"""
 
+import contextlib
 import io
+import logging
 import pathlib
+import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -33,6 +36,30 @@ needs the name."""
 COMPILERS: dict[str, Callable] = {"eager": lambda f: f, **JITS}
 """`JITS` and "eager" (the function itself); the `jit_or_eager` fixture gives each
 in turn."""
+
+
+@contextlib.contextmanager
+def compile_log() -> Iterator[list[str]]:
+    """Yields a list that fills with the names of the programs JAX compiles inside
+    the block, from JAX's compile log (`jax.log_compiles`): `"step"` for
+    `jax.jit(step)`, `eqx.filter_jit(step)` and `jaxstate.jit(step)` alike, once
+    per compilation (cached ones included: the log names each lowering)."""
+    names: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            match = re.match(r"Compiling jit\(([^)]*)\)", record.getMessage())
+            if match:
+                names.append(match.group(1))
+
+    handler = Handler(logging.DEBUG)
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            yield names
+    finally:
+        logger.removeHandler(handler)
 
 
 def run_python(

@@ -182,6 +182,27 @@ def set_holder_buffers(holders: list, bufs: list) -> None:
         holder._buf = buf
 
 
+def buffer_commitment_of_refs() -> None:
+    """Makes a concrete `jax.Ref` committed to a device exactly when its buffer is.
+
+    JAX 0.10 reports every reference as committed (`Ref.committed` is `True`), so
+    a compiled call that touches one returns arrays committed to a device even
+    when none of its inputs were: a training step that returns the model then
+    compiles again on its second call (its parameters come back committed). PRNG
+    key arrays and extended arrays already take their commitment from their data;
+    this does the same for references."""
+    if getattr(_core.Ref, "_jaxstate_commitment", False):
+        return
+    commitment = property(lambda ref: ref._refs._buf._committed)
+    _core.Ref.committed = _core.Ref._committed = commitment  # pyright: ignore
+    _core.Ref._jaxstate_commitment = True  # pyright: ignore
+
+
+def ref_class() -> type:
+    """The class of concrete `jax.Ref`s."""
+    return _core.Ref
+
+
 def is_explicit(sharding: Any) -> bool:
     """Whether an abstract value's sharding is part of its type (a mesh with an
     `Explicit` axis, JAX's sharding in types)."""

@@ -13,6 +13,7 @@ import pytest
 
 from jaxstate import _jax
 from jaxstate._core import _patches
+from tests.helpers import run_python
 
 
 def _seen(probe):
@@ -225,3 +226,25 @@ def test_bcast_select_helpers_used_by_the_cond_patch():
     np.testing.assert_array_equal(out, [1.0, 0.0])
     x = _jax.bdim_at_front(jnp.ones((3, 2)), 1, 2, mesh_axis=None)
     assert x.shape == (2, 3)
+
+
+def test_references_take_their_commitment_from_their_buffer():
+    # Unpatched, JAX 0.10 reports every concrete reference as committed (the
+    # assumption the patch changes); with it, a reference is committed exactly
+    # when its buffer is, and a compiled call that touches one keeps uncommitted
+    # inputs' outputs uncommitted.
+    ref_class = _jax.ref_class()
+    assert "_jaxstate_commitment" in vars(ref_class)
+    free = jax.new_ref(jnp.zeros(2))
+    placed = jax.new_ref(jax.device_put(jnp.zeros(2), jax.devices()[0]))
+    assert not free.committed and placed.committed
+    out = jax.jit(lambda x: x + free[...])(jnp.ones(2))
+    assert not out.committed
+    assert jax.jit(lambda x: x + placed[...])(jnp.ones(2)).committed
+    # Without jaxstate (a fresh process), JAX's own answer: always committed.
+    result = run_python(
+        "-c",
+        "import jax, jax.numpy as jnp; print(jax.new_ref(jnp.zeros(2)).committed)",
+        timeout=120,
+    )
+    assert result.stdout.strip() == "True"

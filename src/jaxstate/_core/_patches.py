@@ -1,8 +1,12 @@
-"""Two narrow extensions of JAX's batching rules, installed on import.
+"""jaxstate's only changes to JAX itself, installed on import: two narrow extensions
+of its batching rules, and the commitment of references.
 
-Both only change cases where JAX (0.10.x) raises; every other case goes to JAX's own
-rule unchanged. They exist because jaxstate keeps state in *unbatched* references and
-does its own per-member slicing (see `_vmap.py` and docs/design.md, "vmap").
+The batching rules change only cases where JAX (0.10.x) raises; every other case
+goes to JAX's own rule unchanged. They exist because jaxstate keeps state in
+*unbatched* references and does its own per-member slicing (see `_vmap.py` and
+docs/design.md, "vmap"). A reference is committed to a device when its buffer is
+(`_jax.buffer_commitment_of_refs`), so that a compiled call touching state returns
+uncommitted arrays from uncommitted inputs, as it would without state.
 """
 
 import jax.lax as lax
@@ -96,3 +100,4 @@ if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
     for _prim, _rule in [(_jax.swap_p, _swap_batcher), (_jax.cond_p, _cond_batcher)]:
         _rule.jaxstate_patch = True  # pyright: ignore[reportFunctionMemberAccess]
         _jax.set_batching_rule(_prim, _rule)
+_jax.buffer_commitment_of_refs()

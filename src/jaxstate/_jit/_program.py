@@ -95,14 +95,23 @@ def _explain_mixed_trees(e: ValueError, proxies: list[Storage]) -> None:
 class Program:
     """The compiled program for one call structure (`key`)."""
 
-    def __init__(self, key, jitkwargs: dict):
+    def __init__(self, key, jitkwargs: dict, fun):
         self.key = key  # ((treedef, spec) for the function, kwargs, each argument)
         # The signature id of each state, for the parts of returned modules.
         self.signatures = {
             s.number: s.signature for _, spec in key for s in spec if type(s) is Slot
         }
         self.jitkwargs = jitkwargs
-        self.jitted = jax.jit(self._inner, donate_argnums=(1, 2), **jitkwargs)
+
+        def inner(kept, donated, bufs, unused):
+            return self._inner(kept, donated, bufs, unused)
+
+        # JAX names the program after the function it traces: in compile logs,
+        # profiles and `SlowPathWarning`s, the user's function's name.
+        inner.__name__ = getattr(fun, "__name__", "jaxstate_jit")
+        inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
+        self._traced = inner
+        self.jitted = jax.jit(inner, donate_argnums=(1, 2), **jitkwargs)
         self.donating = True
         self._undonated = None
         # The storages of the call being traced, per thread.
@@ -121,7 +130,7 @@ class Program:
         # (`jax_debug_nans` re-runs a failing call from the same inputs).
         if self._undonated is None:
             self._undonated = jax.jit(
-                self._inner, donate_argnums=(1,), **self.jitkwargs
+                self._traced, donate_argnums=(1,), **self.jitkwargs
             )
         return self._undonated
 

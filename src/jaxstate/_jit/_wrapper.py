@@ -130,12 +130,12 @@ class _JitWrapper:
             for wrapper, key, program in entries:
                 if wrapper() is self and key == call.key:
                     return program
-            program = Program(call.key, self.jitkwargs)
+            program = Program(call.key, self.jitkwargs, self.fun)
             entries.append((weakref.ref(self), call.key, program))
             return program
         program = self.cache.get(call.key)
         if program is None:
-            program = self.cache[call.key] = Program(call.key, self.jitkwargs)
+            program = self.cache[call.key] = Program(call.key, self.jitkwargs, self.fun)
         return program
 
     def _forget(self, program: Program, call: Part) -> None:
