@@ -168,7 +168,7 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
         del program.run
     out_arrays, static, _ = captured["out"]
     jobs, start = [], 0
-    for op in static.value[1]:
+    for op in program.outputs[static.value][1]:
         some = out_arrays[start : start + op.n]
         start += op.n
         if not op.is_leaf:

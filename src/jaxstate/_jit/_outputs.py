@@ -182,11 +182,16 @@ class OutPart:
 
 
 class Static:
-    """Carries static (non-array) output out of the program as tree structure."""
+    """What a program returns besides arrays: which of its traces made this output
+    (a number into `Program.outputs`, where that trace's `describe` is kept).
+
+    JAX keeps a program's output structure in caches that live as long as the
+    program's function. The description itself may hold indices of static fields
+    (whose states then could never be freed), so only this number goes there."""
 
     __slots__ = ("value",)
 
-    def __init__(self, value):
+    def __init__(self, value: int):
         self.value = value
 
 
@@ -195,7 +200,10 @@ class Static:
 jtu.register_pytree_node(Static, lambda s: ((), s), lambda s, _: s)
 
 
-def describe(out, slot_of: dict[int, int]) -> tuple[list, Static]:
+Description = tuple[bool, tuple[OutPart, ...]]
+
+
+def describe(out, slot_of: dict[int, int]) -> tuple[list, Description]:
     """At trace time: the output's arrays, and how to rebuild it around them."""
     # Each element of a tuple output is described on its own, so that the modules
     # among them can be remembered.
@@ -203,13 +211,15 @@ def describe(out, slot_of: dict[int, int]) -> tuple[list, Static]:
     elements = out if is_tuple else (out,)
     described = tuple(OutPart(element, slot_of) for element in elements)
     arrays = [x for element in elements for x in OutPart.arrays(element)]
-    return arrays, Static((is_tuple, described))
+    return arrays, (is_tuple, described)
 
 
-def rebuild(static: Static, arrays: list, call: Part, signatures, memo, remember):
+def rebuild(
+    description: Description, arrays: list, call: Part, signatures, memo, remember
+):
     """A call's output, from what it returned; the modules among it are remembered
     (with `remember`) unless the program gave a state its first value."""
-    is_tuple, described = static.value
+    is_tuple, described = description
     outs, start = [], 0
     for op in described:
         if op.is_leaf:

@@ -1,7 +1,8 @@
 """One compiled program of a `jaxstate.jit` function: one per call structure.
 
 The program takes `(kept arrays, donated arrays, state buffers, unused)` and returns
-`(output arrays, Static, new state buffers)`. While it is traced, each state passed
+`(output arrays, Static, new state buffers)`, where `Static` names the trace
+whose `outputs` description rebuilds the output. While it is traced, each state passed
 in is a stand-in storage whose references are local (`_core/_local.py`): plain
 values at the top level of the function, real references only where a nested
 transform needs one.
@@ -25,7 +26,7 @@ from .. import _jax
 from .._core._context import passed_in
 from .._core._local import LocalRef
 from .._core._storage import Handle, Storage
-from ._outputs import describe
+from ._outputs import describe, Description, Static
 from ._parts import ARRAY, Slot
 
 
@@ -124,6 +125,8 @@ class Program:
         self.created = False
         # The states the function reached through closed-over indices.
         self.closed: frozenset[int] = frozenset()
+        # How to rebuild the output, per trace (a program's output says which).
+        self.outputs: list[Description] = []
 
     def undonated(self):
         # For functions that can fail while running, and while debugging NaNs
@@ -218,5 +221,8 @@ class Program:
                 jnp.where(failed, old, new)
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
-        out_arrays, static = describe(out, {p.id: i for i, p in enumerate(proxies)})
-        return out_arrays, static, new_bufs
+        out_arrays, description = describe(
+            out, {p.id: i for i, p in enumerate(proxies)}
+        )
+        self.outputs.append(description)
+        return out_arrays, Static(len(self.outputs) - 1), new_bufs

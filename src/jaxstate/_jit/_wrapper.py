@@ -183,7 +183,12 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         return rebuild(
-            static, out_arrays, call, program.signatures, self.memo, not created
+            program.outputs[static.value],
+            out_arrays,
+            call,
+            program.signatures,
+            self.memo,
+            not created,
         )
 
     def lower(self, *args, **kwargs) -> "Lowered":
