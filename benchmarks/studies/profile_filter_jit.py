@@ -468,7 +468,7 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             flag_f,
         ),
         ("_flag.py", "_unflatten"): (
-            "`Flag` unflatten (one of two shared flags)",
+            "`Flag` unflatten (a new `Flag`)",
             flag_u,
         ),
     }

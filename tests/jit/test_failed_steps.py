@@ -499,3 +499,40 @@ def test_donation_is_chosen_per_compiled_program():
     _readable_and_one_of(index, [2.0, 2.0], [3.0, 3.0])
     compiled(index, jnp.ones(2))  # the unchecked program still works
     _readable_and_one_of(index, [3.0, 3.0], [4.0, 4.0])
+
+
+_EAGER_LOOPS = {
+    "scan": lambda body: jax.lax.scan(lambda c, _: (body(c), None), 0.0, length=3)[0],
+    "fori_loop": lambda body: jax.lax.fori_loop(0, 3, lambda i, c: body(c), 0.0),
+    "while_loop": lambda body: jax.lax.while_loop(lambda c: c < 5, body, 0.0),
+    "map": lambda body: jax.lax.map(body, jnp.zeros(3)),
+}
+
+
+def _failing_body(index):
+    def body(c):
+        count = jaxstate.get_state(index) + 1
+        jaxstate.set_state(index, eqx.error_if(count, count > 2, "too many"))
+        return c + 1
+
+    return body
+
+
+@pytest.mark.parametrize("loop", list(_EAGER_LOOPS))
+def test_a_failed_check_in_an_eager_loop(loop):
+    # JAX compiles an eager loop on the spot and captures the state's references:
+    # a run-time failure leaves their buffers deleted (JAX's limit, as under plain
+    # `jax.jit`), and the next read says what happened and what to do.
+    index = jaxstate.StateIndex(init=jnp.array(0.0))
+    with pytest.raises(Exception, match="too many"):
+        _EAGER_LOOPS[loop](_failing_body(index))
+    with pytest.raises(
+        RuntimeError, match="an eager `lax.scan`.*inside `jaxstate.jit`"
+    ):
+        index.unsafe_get()
+    # Inside `jaxstate.jit`, with the state passed in, the same loop keeps it.
+    index = jaxstate.StateIndex(init=jnp.array(0.0))
+    step = jaxstate.jit(lambda index: _EAGER_LOOPS[loop](_failing_body(index)))
+    with pytest.raises(Exception, match="too many"):
+        step(index)
+    assert float(index.unsafe_get()) == 0.0

@@ -99,12 +99,14 @@ def snapshot(storages: list) -> list[list[jax.Array]]:
 
 _DELETED = (
     "This state's memory was deleted: a compiled call took its buffer and gave no "
-    "new one back. That happens when a function compiled with plain `jax.jit` or "
-    "`eqx.filter_jit` fails while running (or is interrupted) after XLA took the "
-    "buffers of the references it captured, a limitation of JAX's references, "
-    "which also holds for state a `jaxstate.jit` function closes over; "
-    "`jaxstate.jit` keeps the state passed in its arguments in both cases. Set the "
-    "state again (or reload it) before using it."
+    "new one back. That happens when code JAX compiles on the spot fails while "
+    "running (a failed `eqx.error_if`, a callback that raises) or is interrupted, "
+    "after taking the buffers of the references it captured: a function compiled "
+    "with `jax.jit` or `eqx.filter_jit`, an eager `lax.scan`, `fori_loop`, "
+    "`while_loop` or `lax.map`, or state a `jaxstate.jit` function closes over (a "
+    "limitation of JAX's references). Run such code inside `jaxstate.jit` with the "
+    "model as an argument, which keeps the state when a call fails. Set the state "
+    "again (or reload it) before using it."
 )
 
 

@@ -52,18 +52,14 @@ class Flag:
         return (Flag, (self.value,))
 
 
-# One shared object per value: unflattening runs on every call of a compiled
-# function that receives a model (JAX's and Equinox's dispatch rebuild the inputs),
-# and a lookup costs a sixth of making a new flag.
-_FLAGS = {False: Flag(False), True: Flag(True)}
-
-
 def _flatten(flag: Flag):
     return (), flag.value
 
 
 def _unflatten(value: bool, _) -> Flag:
-    return _FLAGS[value]
+    # A new object each time, not one of two shared ones: `eqx.tree_at` (and so
+    # `eqx.nn.inference_mode`) tells the fields it replaces apart by identity.
+    return Flag(value)
 
 
 jtu.register_pytree_node(Flag, _flatten, _unflatten)
