@@ -96,3 +96,22 @@ def test_none_for_state_created_inside_the_compiled_function():
             return index
 
         assert make(jnp.array(1)).unsafe_get() == 2
+
+
+@pytest.mark.parametrize("compiler", [jax.jit, eqx.filter_jit, jaxstate.jit])
+def test_the_warning_points_at_the_users_call(compiler):
+    # At the line that calls the compiled function (where the user can act), not
+    # at the `get_state` deep inside a model's layers.
+    index = _counter()
+
+    def train_step(x):
+        _bump(index)  # closed over: the reference path under every compiler
+        return x
+
+    step = compiler(train_step)
+    with pytest.warns(jaxstate.SlowPathWarning) as record:
+        step(1.0)  # <- here
+    (warning,) = [w for w in record if w.category is jaxstate.SlowPathWarning]
+    assert warning.filename == __file__
+    with open(__file__) as f:
+        assert "# <- here" in f.read().splitlines()[warning.lineno - 1]
