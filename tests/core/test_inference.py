@@ -138,9 +138,9 @@ def test_tree_inference_inside_a_transform_raises(transform):
     # The seed calls a flag change inside a trace undefined behaviour, and its tests
     # assert a raise; the message says to switch outside.
     model = Scale()
-    with pytest.raises(RuntimeError, match="switch them outside"):
+    with pytest.raises(RuntimeError, match="Switch modes outside"):
         transform(lambda: jaxstate.tree_inference(model, True))
-    with pytest.raises(RuntimeError, match="switch them outside"):
+    with pytest.raises(RuntimeError, match="Switch modes outside"):
         transform(lambda: jaxstate.tree_inference(eqx.nn.Dropout(), True))
     assert not model.factor.inference
 

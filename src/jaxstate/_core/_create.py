@@ -77,10 +77,9 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
         return True
     if "shard_map" in traced_for():
         raise RuntimeError(
-            f"`{fn}` is storing state for this index for the first time inside a "
-            "`shard_map` (or `pmap`) body, which JAX's references cannot cross. "
-            "Give the state its first value outside the body (in the model's "
-            "`__init__`, or in a `jax.jit` function around the `shard_map`)."
+            f"`{fn}` sets this state for the first time inside a `shard_map` (or "
+            "`pmap`) body, which JAX's references cannot cross. Give it its first "
+            "value outside the body."
         )
     batch_shape = vmap_sizes()
     avals = tuple(_jax.ShapedArray(jnp.shape(x), x.dtype) for x in leaves)

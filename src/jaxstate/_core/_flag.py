@@ -80,12 +80,10 @@ def flag_value(value: Any, what: str) -> bool:
         return bool(value)
     if isinstance(value, _jax.Tracer):
         raise RuntimeError(
-            f"The `inference` flag of this {what} is a traced value, so whether it is "
-            "in inference mode cannot be known while compiling. This happens when "
-            "`eqx.nn.inference_mode` stored a plain Python bool and the model was then "
-            "passed through `jax.jit`, which traces every leaf. Switch modes with "
-            "`jaxstate.tree_inference(model, value)` instead, or compile with "
-            "`eqx.filter_jit`, which keeps Python bools static."
+            f"The `inference` flag of this {what} is a traced value: "
+            "`eqx.nn.inference_mode` stored a Python bool, which `jax.jit` traces. "
+            "Switch modes with `jaxstate.tree_inference(model, value)`, or compile "
+            "with `eqx.filter_jit`."
         )
     try:
         return bool(value)

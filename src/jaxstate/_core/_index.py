@@ -72,10 +72,8 @@ class StateIndex(eqx.Module, Generic[_T]):
         if not isinstance(inference, (bool, np.bool_, Flag)):
             raise TypeError(
                 "`StateIndex`'s first argument is the `inference` flag, a bool, but "
-                f"it got {type(inference).__name__} ({inference!r:.40}). To give the "
-                "state its initial value, pass it by keyword: "
-                "`StateIndex(init=value)` (Equinox's `eqx.nn.StateIndex(value)` "
-                "takes it positionally)."
+                f"it got {type(inference).__name__}. Pass an initial value by "
+                "keyword: `StateIndex(init=value)`."
             )
         self._handle = Handle.new()
         self.inference = inference

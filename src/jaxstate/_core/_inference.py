@@ -53,10 +53,8 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
     if not is_eager():
         raise RuntimeError(
             "`jaxstate.tree_inference` was called inside jit, vmap, grad or another "
-            "transform. Inference flags are part of the compiled program, so switch "
-            "them outside: `eval_model = jaxstate.tree_inference(model, True)`, then "
-            "pass `eval_model` to the compiled function. (Inside a layer, pass "
-            "`inference=True` to its call instead, where the layer takes it.)"
+            "transform. Switch modes outside and pass the switched model in, or pass "
+            "`inference=True` to a layer's call."
         )
     owners = _owners(pytree)
     ours = [o for o in owners if _is_jaxstate(o)]

@@ -68,19 +68,17 @@ def _wait_free(ids: Iterable[int], nested: bool) -> None:
         # it), so it is refused as the same thread is.
         if me in owners or isinstance(threading.current_thread(), _DummyThread):
             raise RuntimeError(
-                "A state used by a `jaxstate.jit` call was reached while that call "
-                "was running, from the same thread or from a host callback inside "
-                "it (`jax.debug.callback`, `pure_callback`). Read or write it "
-                "outside the compiled function, or pass it in and return what you "
-                "need."
+                "A state used by a running `jaxstate.jit` call was reached from "
+                "inside that call (the same thread, or a host callback such as "
+                "`jax.debug.callback`). Read or write it outside the compiled "
+                "function, or pass it in and return what you need."
             )
         if nested:
             # Waiting would release the lock under the enclosing section.
             raise RuntimeError(
-                "jaxstate was used from a finaliser (`__del__` or a weakref "
-                "callback) that the garbage collector ran inside jaxstate, while a "
-                "state it needs is in use by a `jaxstate.jit` call of another "
-                "thread. Do not read or write state in finalisers."
+                "State was used from a finaliser (`__del__`, a weakref callback) "
+                "while a `jaxstate.jit` call of another thread holds it. Do not read "
+                "or write state in finalisers."
             )
         _waiting += 1
         _holder = None

@@ -43,9 +43,8 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
         if not all(_jax.is_read_effect(eff) for eff in effects):
             raise NotImplementedError(
                 "A `lax.cond`/`lax.switch` whose predicate differs between vmap "
-                "members cannot write state: under vmap JAX runs every branch and "
-                "selects, so every branch's writes would land. Compute the candidate "
-                "values and write the chosen one, e.g. "
+                "members cannot write state (JAX runs every branch). Write the "
+                "chosen value instead: "
                 "`set_state(index, jnp.where(pred, new, get_state(index)))`."
             )
         return _select_branches(axis_data, index, index_dim, ops, op_dims, branches)

@@ -280,10 +280,9 @@ class Handle:
     def get(self) -> Storage:
         if self.storage is None:
             raise RuntimeError(
-                "This StateIndex refers to state that has been freed: every model "
-                "holding it was deleted. It was rebuilt from stale tree metadata (for "
-                "example a treedef kept from an earlier call); rebuild it from a live "
-                "model instead."
+                "This StateIndex refers to state that has been freed: it was rebuilt "
+                "from tree structure kept after every model holding it was deleted. "
+                "Rebuild it from a live model."
             )
         return self.storage
 

@@ -243,15 +243,14 @@ class AotCompiled:
         if program is not self._program:
             if self._program.created:
                 raise TypeError(
-                    "This compiled function gives a state its first value (a "
-                    "`set_state` on an index that had none), so it belongs to the "
-                    "model it was lowered for and cannot run. Call `jaxstate.jit(f)` "
-                    "itself, or give the state a value before lowering."
+                    "This compiled function gives a state its first value, so it "
+                    "serves only the model it was lowered for. Give the state a value "
+                    "before lowering, or call `jaxstate.jit(f)` itself."
                 )
             raise TypeError(
                 "This compiled function was lowered for arguments of another "
-                "structure (or other static values). Call `jaxstate.jit(f)` itself, "
-                "which compiles for each structure, or lower it again for these."
+                "structure or other static values. Lower it again for these, or "
+                "call `jaxstate.jit(f)` itself."
             )
         return wrapper.execute(
             program, call, call.arrays, first, lambda inputs: self._executable(*inputs)
