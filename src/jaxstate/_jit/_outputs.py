@@ -167,15 +167,7 @@ class OutPart:
             return None
         key, numbers, in_order = self._template
         if in_order and len(numbers) == len(call.storages):
-            return Part(
-                key,
-                arrays,
-                call.storages,
-                call.handles,
-                holders_=call.holders,
-                ids=call.ids,
-                indices=call.indices,
-            )
+            return call.sharing(key, arrays)
         storages = [call.storages[n] for n in numbers]
         handles = [call.handles[n] for n in numbers]
         return Part(key, arrays, storages, handles, holders_=holders(storages))

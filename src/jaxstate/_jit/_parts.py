@@ -180,20 +180,24 @@ class Part:
         # Whether the argument may change in place (never remembered).
         self.mutable = mutable
 
-    def layout(self) -> "Part":
-        """This part without its arrays: what another call with the same states
-        and structure shares."""
+    def sharing(self, key, arrays: list, **kwargs) -> "Part":
+        """A part with this part's states (and their numbering), and `key` and
+        `arrays` of its own."""
         return Part(
-            self.key,
-            [],
+            key,
+            arrays,
             self.storages,
             self.handles,
             holders_=self.holders,
             ids=self.ids,
             indices=self.indices,
-            statics=self.statics,
-            fixed=self.fixed,
+            **kwargs,
         )
+
+    def layout(self) -> "Part":
+        """This part without its arrays: what another call with the same states
+        and structure shares."""
+        return self.sharing(self.key, [], statics=self.statics, fixed=self.fixed)
 
 
 def analyse(tree) -> Part:
@@ -253,17 +257,7 @@ def combine(parts: list) -> Part:
             keys.append(ARRAY_KEY)
     if len(stateful) <= 1:
         one = stateful[0] if stateful else EMPTY
-        return Part(
-            tuple(keys),
-            arrays,
-            one.storages,
-            one.handles,
-            holders_=one.holders,
-            ids=one.ids,
-            indices=one.indices,
-            statics=statics,
-            fixed=fixed,
-        )
+        return one.sharing(tuple(keys), arrays, statics=statics, fixed=fixed)
     slot_of: dict[int, int] = {}
     storages, handles = [], []
     for i, p in enumerate(parts):
