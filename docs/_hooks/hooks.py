@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Files of the repository shown as pages of the site: path -> page.
 PAGES = {
     "README.md": "index.md",
+    "src/jaxstate/_core/README.md": "internals/core.md",
+    "src/jaxstate/_jit/README.md": "internals/jit.md",
 }
 
 _LINK = re.compile(r"\]\((?P<target>[^)\s#:]+)(?P<anchor>#[^)\s]*)?\)")
