@@ -74,6 +74,22 @@ def test_pages_exist_and_have_runnable_code():
     assert counts.get("porting.md", 0) >= 7
 
 
+def test_every_page_with_runnable_code_is_run():
+    # A new page's `# runnable` blocks run once it is listed here (or with the
+    # layer guides, in test_layer_docs.py).
+    from tests.programs.test_layer_docs import PAGES as LAYER_PAGES
+
+    run = {*_pages(), *LAYER_PAGES}
+    for page in sorted(DOCS.rglob("*.md")):
+        marked = [
+            line
+            for line, source in _blocks(page)
+            if source.lstrip("\n").startswith(MARKER + "\n")
+        ]
+        if marked:
+            assert page in run, f"{page.name}:{marked[0]} is marked but not run"
+
+
 def test_reference_code_is_not_marked_runnable():
     # Code for frameworks that are not installed here must not carry the marker,
     # and every block that uses jaxstate must carry it.
