@@ -1,7 +1,9 @@
 """`python -m benchmarks [--quick] [--only S1,S3] [--out PATH | --no-write]`
 
 Runs the scenarios in this one process (S4's memory workers excepted), prints each
-scenario's table as it finishes and writes docs/performance.md.
+scenario's table as it finishes and writes docs/performance.md, and the README's
+speed section from it. (`python -m benchmarks --readme-only` makes that section
+again from docs/performance.md, running nothing.)
 """
 
 import argparse
@@ -43,11 +45,13 @@ from ._harness import (
     text_table,
     Variant,
 )
-from ._report import render
+from ._report import render, update_readme
 from .studies import profile_filter_jit, profile_jit
 
 
 ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
 SCENARIOS = ["S1", "S2", "S3", "S4", "S5", "S6a", "S6b", "S6c", "S6d"]
 # `--only S6` runs the four real programs.
 ALIASES = {"S6": ["S6a", "S6b", "S6c", "S6d"]}
@@ -578,8 +582,9 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
     )
     parser.add_argument(
         "--out",
-        default=str(ROOT / "docs" / "performance.md"),
-        help="where to write the report (default: docs/performance.md)",
+        default=str(REPORT),
+        help="where to write the report (default: docs/performance.md, and then "
+        "the README's speed section from it)",
     )
     parser.add_argument(
         "--no-write", action="store_true", help="print only; write no report"
@@ -590,7 +595,15 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         help="skip the profiles (of jaxstate.jit when a target is missed; of "
         "eqx.filter_jit on S6b and S6c)",
     )
+    parser.add_argument(
+        "--readme-only",
+        action="store_true",
+        help="run nothing; make the README's speed section from docs/performance.md",
+    )
     args = parser.parse_args(argv)
+    if args.readme_only:
+        write_readme(REPORT.read_text())
+        return {}
     canonical = {s.upper(): s for s in [*SCENARIOS, *ALIASES]}
     only = []
     for s in (s.strip().upper() for s in args.only.split(",") if s.strip()):
@@ -630,7 +643,15 @@ def main(argv: list[str] | None = None) -> dict[str, ScenarioResult]:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
         print(f"wrote {out}")
+        if out.resolve() == REPORT:
+            write_readme(report)
     return results
+
+
+def write_readme(report: str) -> None:
+    """Makes the README's speed section from `report` (docs/performance.md's)."""
+    README.write_text(update_readme(README.read_text(), report))
+    print(f"wrote the speed section of {README}")
 
 
 def _print(res: ScenarioResult) -> None:

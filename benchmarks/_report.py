@@ -1,5 +1,6 @@
 """docs/performance.md, from the results of one run."""
 
+import re
 from collections.abc import Sequence
 
 from ._harness import Config, md_table, ScenarioResult, Table
@@ -35,8 +36,8 @@ HOW = """\
   warms what all variants share (JAX's own jitted helpers); the rounds after it
   are timed, interleaved, the starting variant rotated. Figures are medians over
   rounds, ratios medians of per-round ratios.
-- Timings are never asserted in tests; tests/test_benchmarks_smoke.py only checks
-  that the variants agree and that the tables have their rows."""
+- Timings are never asserted in tests; tests/programs/test_benchmarks_smoke.py only
+  checks that the variants agree and that the tables have their rows."""
 
 
 def _target_rows(results: dict[str, ScenarioResult]) -> list[list[str]]:
@@ -198,13 +199,13 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         + "; ".join(f"`{m}`" for m in profile["missed"])
         + ".",
         "",
-        "The fast path of `_JitWrapper.__call__` (src/jaxstate/_jit.py) is run "
-        "through a copy that calls the same helpers in the same order and reads "
-        "the clock between them; the copy, the real call and the hand-threaded "
-        "step are timed in the same interleaved rounds (host µs per call: many "
-        "calls, then one wait; the best of 9 rounds, as `timeit` reports, since "
-        "each is a fixed amount of CPU work that the machine's noise only "
-        "lengthens). See "
+        "A call taking `jaxstate.jit`'s fast path (`_JitWrapper.__call__` and "
+        "`execute` in src/jaxstate/_jit/_wrapper.py) is run with clocks around "
+        "each stage of the real call path (its functions wrapped); that call, the "
+        "same call without clocks and the hand-threaded step are timed in the same "
+        "interleaved rounds (host µs per call: many calls, then one wait; the best "
+        "round of each, as `timeit` reports, since each is a fixed amount of CPU "
+        "work that the machine's noise only lengthens). See "
         "`benchmarks/studies/profile_jit.py`.",
         "",
     ]
@@ -284,11 +285,11 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
             f"hand-threaded function: {hand[discharge]:.1f} ms), so the traced "
             "jaxpr still holds references, which JAX rewrites to functional form "
             "before lowering (`_discharge_refs_jaxpr`). States passed in are plain "
-            "values at the top level of the function (src/jaxstate/_local.py); one "
-            "becomes a `jax.new_ref` only when it is first read or written inside "
-            "a nested transform (vmap, grad, scan, cond, a nested jit), and a state "
-            "the function closes over rather than receives always goes through "
-            "JAX's reference path."
+            "values at the top level of the function "
+            "(src/jaxstate/_core/_local.py); one becomes a `jax.new_ref` only when "
+            "it is first read or written inside a nested transform (vmap, grad, "
+            "scan, cond, a nested jit), and a state the function closes over "
+            "rather than receives always goes through JAX's reference path."
         )
     trace = "trace to a jaxpr"
     if extra.get(trace, 0) > 0:
@@ -362,3 +363,197 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
             )
         )
     return lines
+
+
+#
+# The README's speed section: a few figures of the report, for a reader deciding
+# whether to use jaxstate. Made from the report's text (docs/performance.md), so
+# that it can be made again from the last run at any time, and checked against it
+# (tests/programs/test_benchmarks_smoke.py).
+#
+
+README_START = "<!-- speed:start -->"
+README_END = "<!-- speed:end -->"
+# The programs of the step table, in its order. The time-to-first-step table takes
+# every scenario with such a table against Equinox.
+README_PROGRAMS = ("S1", "S6a", "S6b", "S6c")
+# Columns: heading -> the start of the report's name for the row.
+STEP_COLUMNS = {
+    "`jaxstate.jit`": "jaxstate.jit",
+    "`eqx.filter_jit` + jaxstate": "eqx.filter_jit + jaxstate",
+    "Equinox, `eqx.nn.State`": "Equinox eqx.nn.State + eqx.filter_jit",
+    "Flax NNX, `nnx.jit`": "Flax nnx.jit",
+}
+FIRST_COLUMNS = {
+    "`jaxstate.jit`": "jaxstate.jit",
+    "`eqx.filter_jit` + jaxstate": "eqx.filter_jit + jaxstate",
+}
+_EQX = "× eqx.nn.State"  # the first-step tables' column against Equinox
+
+
+def _md_tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every table `md_table` wrote in `text`: (the bold title above it, or "",
+    header, rows)."""
+    out = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("| "):
+            i += 1
+            continue
+        above = [line for line in lines[max(0, i - 2) : i] if line.strip()]
+        title = ""
+        if above and above[-1].startswith("**") and above[-1].endswith("**"):
+            title = above[-1].strip("*")
+        block = []
+        while i < len(lines) and lines[i].startswith("|"):
+            block.append(lines[i])
+            i += 1
+        cells = [
+            [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", row)[1:-1]]
+            for row in block
+        ]
+        out.append((title, cells[0], cells[2:]))
+    return out
+
+
+def _scenarios(report: str) -> dict[str, tuple[str, str]]:
+    """Scenario key -> (title, text of its section)."""
+    out = {}
+    for chunk in report.split("\n## ")[1:]:
+        head, _, body = chunk.partition("\n")
+        match = re.fullmatch(r"(S\w+): (.*)", head.strip())
+        if match:
+            out[match.group(1)] = (match.group(2), body)
+    return out
+
+
+def _program(title: str, capital: bool = True) -> str:
+    """A scenario's title as a program's name."""
+    for prefix in ("real program: ", "time to first step: "):
+        title = title.removeprefix(prefix)
+    return (title[:1].upper() if capital else title[:1].lower()) + title[1:]
+
+
+def _ratios(rows: list[list[str]], column: int) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for row in rows:
+        try:
+            out[row[0]] = float(row[column].replace(",", ""))
+        except (IndexError, ValueError):  # unavailable
+            out[row[0]] = None
+    return out
+
+
+def _find(ratios: dict[str, float | None], start: str) -> float | None:
+    return next((r for name, r in ratios.items() if name.startswith(start)), None)
+
+
+def _cell(ratio: float | None) -> str:
+    if ratio is None:
+        return "—"
+    return f"{ratio:.2f}×" if ratio < 10 else f"{ratio:.1f}×"
+
+
+def _steps(scenarios: dict[str, tuple[str, str]]) -> tuple[list[list[str]], list[str]]:
+    """The step table's rows, and the peers faster than `jaxstate.jit`."""
+    rows, faster = [], []
+    for key in README_PROGRAMS:
+        if key not in scenarios:
+            continue
+        title, text = scenarios[key]
+        main = [
+            rows
+            for _, header, rows in _md_tables(text)
+            if header[:3] == ["variant", header[1], "× hand"]
+            and header[1].startswith("pipelined")
+        ]
+        if not main:
+            continue
+        ratios = _ratios(main[0], 2)
+        rows.append(
+            [_program(title), *(_cell(_find(ratios, s)) for s in STEP_COLUMNS.values())]
+        )
+        ours = ratios.get("jaxstate.jit")
+        # After the baseline, other than jaxstate's rows and those marked [twin],
+        # which thread the state by hand as the baseline does.
+        peers = [
+            f"{name} ({_cell(r)})"
+            for name, r in list(ratios.items())[1:]
+            if "jaxstate" not in name and "[twin]" not in name
+            if r is not None and ours is not None and r < ours
+        ]
+        if peers:
+            faster.append(f"on the {_program(title, False)}: " + ", ".join(peers))
+    return rows, faster
+
+
+def _first_steps(scenarios: dict[str, tuple[str, str]]) -> list[list[str]]:
+    rows = []
+    for title, text in scenarios.values():
+        for table_title, header, table_rows in _md_tables(text):
+            if "time to first step" in table_title and _EQX in header:
+                # The last such column: the first calls together, not the first.
+                column = max(i for i, h in enumerate(header) if h == _EQX)
+                ratios = _ratios(table_rows, column)
+                rows.append(
+                    [
+                        _program(title),
+                        *(_cell(ratios.get(name)) for name in FIRST_COLUMNS.values()),
+                    ]
+                )
+    return rows
+
+
+def readme_speed(report: str) -> str:
+    """The README's speed section, from the text of a report `render` wrote."""
+    date = re.search(r" on (.+?) — do not edit", report)
+    machine: dict[str, str] = {}
+    for _, _, rows in _md_tables(report.split("\n## How", 1)[0]):
+        machine = {row[0]: row[1] for row in rows if len(row) == 2}
+    cores = machine.get("cores", "?").split(" ")[0]
+    out = [
+        README_START,
+        "<!-- Written by `python -m benchmarks` (benchmarks/_report.py) from the "
+        "run in docs/performance.md: do not edit. -->",
+        "",
+        "Time per training step (decoding: per token), relative to the same step "
+        "written by hand with `jax.jit`, its state threaded through and donated "
+        "(lower is faster). Steps run back to back, as in a training loop; each "
+        "figure is the median of per-round ratios over interleaved rounds. From "
+        f"the run of {date.group(1) if date else 'an unknown date'} on "
+        f"{machine.get('CPU', 'a CPU')}, {cores} cores "
+        "([every figure](docs/performance.md)).",
+    ]
+    if "This is a `--quick` run" in report:
+        out += ["", "**A `--quick` run: few rounds, noisy figures.**"]
+    scenarios = _scenarios(report)
+    steps, faster = _steps(scenarios)
+    out += ["", md_table(Table("", ["program", *STEP_COLUMNS], steps))]
+    if faster:
+        out += [
+            "",
+            "Faster than `jaxstate.jit` in this run, " + "; ".join(faster) + ".",
+        ]
+    first = _first_steps(scenarios)
+    if first:
+        out += [
+            "",
+            "Time from a freshly built model to a training loop at full speed (its "
+            "first calls, compiling included), relative to the same program with "
+            "`eqx.nn.State` and `eqx.filter_jit`:",
+            "",
+            md_table(Table("", ["program", *FIRST_COLUMNS], first)),
+        ]
+    return "\n".join([*out, README_END])
+
+
+def update_readme(readme: str, report: str) -> str:
+    """`readme` with its speed section made again from `report`."""
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(
+            f"The README has no speed section to rewrite: put the lines "
+            f"`{README_START}` and `{README_END}` where it goes."
+        )
+    return readme[:start] + readme_speed(report) + readme[end + len(README_END) :]

@@ -53,7 +53,7 @@ class CNN(eqx.Module):
     BatchNorm's default momentum, 0.99, averages over the last ~100 steps; this run
     is only ~200 steps long and the weights move fast, so 0.9 lets the running
     statistics (used at test time) keep up. `bn_mode` is BatchNorm's rule for them:
-    "debiased" (the default) is the most accurate early in training (docs/layers.md
+    "debiased" (the default) is the most accurate early in training (docs/batch-norm.md
     compares the modes); the benchmarks pass Equinox's "batch" to compare with
     `eqx.nn.BatchNorm`.
     """

@@ -86,10 +86,15 @@ def run_python(
 ignore_unset_mode_warning = pytest.mark.filterwarnings(
     r"ignore:`jaxstate\.nn\.BatchNorm\(\.\.\., mode=\.\.\.\)` is unset:UserWarning"
 )
-"""For tests that run the documentation's code (README, docs/ pages, the misuse
-catalogue): it may leave BatchNorm's `mode` unset, as a reader would, which warns.
+"""For tests that run code which may leave BatchNorm's `mode` unset, as a reader
+would (the misuse catalogue), which warns.
 The warning itself is tested in nn/test_batch_norm.py; code the tests write
 themselves passes `mode`."""
+UNSET_MODE_IS_AN_ERROR = pytest.mark.filterwarnings(
+    r"error:`jaxstate\.nn\.BatchNorm\(\.\.\., mode=\.\.\.\)` is unset:UserWarning"
+)
+"""For the code of the README and the guides, which readers copy: it passes
+`mode`, so that it shows no warning."""
 
 
 #

@@ -3,7 +3,7 @@ command. Unlike the scenarios of `python -m benchmarks`, they have no targets; s
 feed a section of docs/performance.md or a table elsewhere in docs/.
 
 - `bn_early`: inference accuracy of each BatchNorm running-statistics rule early in
-  training (`python -m benchmarks.studies.bn_early`; the table in docs/layers.md).
+  training (`python -m benchmarks.studies.bn_early`; the table in docs/batch-norm.md).
 - `scaling`: step time of the data-parallel digits CNN on 1-8 CPU devices
   (`python -m benchmarks.studies.scaling`; the table in docs/scaling.md).
 - `profile_jit`: where the time of one `jaxstate.jit` call goes, by stage; used by

@@ -18,7 +18,7 @@ and the same batches.
     python -m benchmarks.studies.bn_early --seeds 1 --momentum 0.9
 
 Prints one table (mean test accuracy over the seeds, and the range) in Markdown.
-The table in docs/layers.md is its output.
+The table in docs/batch-norm.md is its output.
 """
 
 import argparse

@@ -4,7 +4,7 @@ jaxstate needs a few things JAX 0.10 does not make public: which traces enclose 
 current one, a way to write batching and differentiation rules for its own
 primitives, the buffer inside a `jax.Ref`, and two of JAX's batching rules to extend
 (`_patches.py`). Each is wrapped here, under a name that says what jaxstate relies
-on, and `tests/test_jax_internals.py` checks each assumption on its own, so that
+on, and `tests/core/test_jax_internals.py` checks each assumption on its own, so that
 moving to a newer JAX is this file's work (and that test's).
 
 Nothing outside this file imports from `jax._src`.

@@ -289,7 +289,7 @@ def test_inference_at_construction():
 
 @pytest.mark.parametrize("mode", ["debiased", "batch", "flax", "ema"])
 def test_untrained_inference_is_the_identity_in_every_mode(mode):
-    # docs/layers.md: "Before any training every mode normalises with mean 0 and
+    # docs/batch-norm.md: "Before any training every mode normalises with mean 0 and
     # variance 1" (a hostile port found "ema" starting at variance 0, as Equinox's
     # uninitialised buffers happen to on CPU: every output times 1/sqrt(eps)).
     bn = jaxstate.nn.BatchNorm(C, "batch", mode=mode, inference=True)
@@ -702,7 +702,7 @@ def test_ema_called_twice_in_one_loss():
     # A hostile port of a public DCGAN (the discriminator on the fake, then the real
     # batch) found its gradients differing from Equinox's: Equinox differentiates
     # the second call through the statistics the first wrote, jaxstate never
-    # differentiates state. Documented (docs/coming-from-equinox.md); pinned here:
+    # differentiates state. Documented (docs/porting.md); pinned here:
     # the values agree, and the gradient is Equinox's with the state stopped.
     x1 = jax.random.normal(jax.random.key(1), (8, 3))
     x2 = 2 + jax.random.normal(jax.random.key(2), (8, 3))

@@ -187,7 +187,7 @@ def test_statistics_loaded_from_elsewhere_are_used_as_they_are():
 #
 # Why "debiased" is the default: the digits CNN of examples/train_digits.py,
 # benchmarks/studies/bn_early.py's run (which also compares Flax NNX's own layer
-# and every seed; its table is in docs/layers.md). One training run serves both
+# and every seed; its table is in docs/batch-norm.md). One training run serves both
 # rules: the same weights, evaluated in inference mode with each mode's statistics.
 #
 

@@ -4,7 +4,8 @@ Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
 same steps) and that the results tables have the expected rows; runs the time to
 first step (S6a's fresh builds, and S6d as `--quick` runs it) and checks its counts
-of compilations. Timings are measured but never asserted on.
+of compilations; makes the README's speed section from a report, and checks that
+the README's is the last run's. Timings are measured but never asserted on.
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ if str(ROOT) not in sys.path:
 from benchmarks import (  # noqa: E402
     __main__ as bench_main,
     _first,
+    _report as R,
     _s6,
     s1_dispatch,
     s5_loops,
@@ -34,7 +36,14 @@ from benchmarks import (  # noqa: E402
     s6_mlp,
     s6_resnet,
 )
-from benchmarks._harness import check, Config, measure, ScenarioResult  # noqa: E402
+from benchmarks._harness import (  # noqa: E402
+    check,
+    Config,
+    measure,
+    ScenarioResult,
+    Timing,
+    Variant,
+)
 from benchmarks.studies import profile_filter_jit as F  # noqa: E402
 
 
@@ -346,3 +355,102 @@ def test_filter_jit_profile_renders_every_stage():
     assert "Other jaxstate functions run per call: `_ops.py:get_state`" in text
     failed = F.Study("S6b", s6_cnn.TITLE, {}, {}, {}, {}, error="ValueError: no")
     assert "Unavailable: ValueError: no" in "\n".join(F.render([failed]))
+
+
+#
+# The README's speed section (benchmarks/_report.py), made from the report.
+#
+
+
+def test_the_readmes_speed_section_is_the_last_runs():
+    # Made from docs/performance.md as it is: `python -m benchmarks` writes both.
+    readme = (ROOT / "README.md").read_text()
+    report = (ROOT / "docs" / "performance.md").read_text()
+    assert R.update_readme(readme, report) == readme, (
+        "The README's speed section is not the last run's: run "
+        "`python -m benchmarks --readme-only`."
+    )
+
+
+def _timed(key: str, title: str, ratios: dict[str, float | None]) -> ScenarioResult:
+    """A scenario whose rows take `ratios` times the first row's time per step,
+    in every round (`None`: unavailable)."""
+    base = [1e-4, 2e-4, 1.5e-4]
+    variants, timings = [], {}
+    for i, (name, r) in enumerate(ratios.items()):
+        kind = "baseline" if i == 0 else "jaxstate" if "jaxstate" in name else "peer"
+        if r is None:
+            variants.append(Variant(name, kind, unavailable="not installed (x)"))
+            continue
+        variants.append(Variant(name, kind, twin=None if kind != "peer" else name))
+        samples = [t * r for t in base]
+        timings[name] = Timing(3, {"pipelined": samples, "blocked": samples})
+    return ScenarioResult(key, title, "", "µs/step", variants, timings, "hand", None)
+
+
+def _first_steps(ratio: float) -> _first.FirstSteps:
+    runs = {
+        name: [_first.Run([t * 2.0, t, t], [1, 0, 0], [1, 0, 0])]
+        for name, t in (("eqx", 1.0), ("jaxstate.jit", ratio))
+    }
+    return _first.FirstSteps(["eqx", "jaxstate.jit"], runs, {}, None, [], 0)
+
+
+def test_the_readmes_speed_section_from_a_report():
+    results = {
+        "S1": _timed(
+            "S1",
+            "tiny step",
+            {
+                "hand": 1.0,
+                "jaxstate.jit": 1.5,
+                "eqx.filter_jit + jaxstate": 12.0,
+                "Equinox eqx.nn.State + eqx.filter_jit": 8.0,
+                "Flax nnx.jit (graph mode)": 11.0,
+                "Flax nnx.jit_partial(graph=False)": 1.25,  # faster than jaxstate
+                "Flax nnx.split + jax.jit (donated) [twin]": 1.25,  # by hand: left out
+            },
+        ),
+        "S6b": _timed(
+            "S6b",
+            "real program: a CNN",
+            {
+                "hand": 1.0,
+                "jaxstate.jit": 1.0,
+                "eqx.filter_jit + jaxstate": 2.0,
+                "Flax nnx.jit (nnx.BatchNorm)": None,
+            },
+        ),
+        "S6d": ScenarioResult(
+            "S6d", "time to first step: a ResNet", "", "s", [], {}, "eqx", None
+        ),
+    }
+    results["S6d"].tables.append(
+        _first_steps(1.25).table(
+            "S6d, time to first step: ...", {"eqx.nn.State": "eqx"}
+        )
+    )
+    env = {"command": "python -m benchmarks", "date": "2030-01-02 03:04 UTC"}
+    env |= {"CPU": "Some CPU", "cores": "4 (4 usable by this process)"}
+    report = R.render(results, None, env, Config.make(quick=True))
+    section = R.readme_speed(report)
+    assert section.startswith(R.README_START) and section.endswith(R.README_END)
+    assert "2030-01-02 03:04 UTC on Some CPU, 4 cores" in section
+    assert "`--quick` run" in section
+    assert "| Tiny step | 1.50× | 12.0× | 8.00× | 11.0× |" in section
+    assert "| A CNN | 1.00× | 2.00× | — | — |" in section
+    assert (
+        "Faster than `jaxstate.jit` in this run, on the tiny step: "
+        "Flax nnx.jit_partial(graph=False) (1.25×)."
+    ) in section
+    # The first three calls together: (2 + 1 + 1) × 1.25 against 2 + 1 + 1.
+    assert "| A ResNet | 1.25× | — |" in section
+    # Nothing of the report's verdicts.
+    assert "target" not in section.lower() and "S1" not in section
+
+    readme = f"# x\n\n{R.README_START}\nold\n{R.README_END}\n\n## Limits\n"
+    new = R.update_readme(readme, report)
+    assert new == f"# x\n\n{section}\n\n## Limits\n"
+    assert R.update_readme(new, report) == new
+    with pytest.raises(ValueError, match="speed:start"):
+        R.update_readme("# x\n", report)

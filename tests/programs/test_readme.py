@@ -1,50 +1,51 @@
-"""The README's code runs and prints what it says."""
+"""The README's code runs as written, shows no warning, and prints what it says;
+the README, CI and the docs show one test command; the site's home page is the
+README (docs/_hooks/hooks.py)."""
 
+import importlib.util
 import re
+import types
+import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import pytest
 
-from tests.helpers import ignore_unset_mode_warning, ROOT
+from tests.helpers import ROOT
+
+
+# Not in the typechecked pass (conftest.py): the README's whole programs.
+pytestmark = pytest.mark.not_typechecked
 
 
 README = ROOT / "README.md"
 
 
-def _python_blocks():
+def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_seed_example_prints_what_the_comments_say(capsys):
-    block = _python_blocks()[0]
-    exec(block, {})
-    expected = re.findall(r"# (last_x=.*)", block)
-    assert capsys.readouterr().out.splitlines() == expected
+def _printed(block: str) -> list[str]:
+    """What a block says it prints: the comment of each line that calls `print`."""
+    return re.findall(r"^print\(.*\)  # (.*)$", block, re.M)
 
 
-def test_ensemble_example():
-    import equinox as eqx
-
-    import jaxstate
-
-    block = next(b for b in _python_blocks() if "class Member" in b)
-    namespace = {"eqx": eqx, "jax": jax, "jnp": jnp, "jaxstate": jaxstate}
-    exec(block, namespace)
-    ensemble = namespace["ensemble"]
-    np.testing.assert_allclose(ensemble.total.unsafe_get(), ensemble.w, rtol=1e-6)
+BLOCKS = [pytest.param(b, id=f"block{i}") for i, b in enumerate(_python_blocks())]
 
 
-@ignore_unset_mode_warning
-def test_batch_norm_example():
-    import jaxstate
+def test_the_readme_has_a_tour():
+    # The first example, and at least two more in the tour.
+    assert len(BLOCKS) >= 3
+    assert any(_printed(b) for b in _python_blocks())
 
-    block = next(b for b in _python_blocks() if "jaxstate.nn.BatchNorm(16" in b)
-    x = jax.random.normal(jax.random.key(0), (8, 16, 4))
-    namespace = {"jax": jax, "jaxstate": jaxstate, "x": x}
-    exec(block, namespace)
-    assert namespace["y"].shape == x.shape
-    assert namespace["bn"].counter.unsafe_get() == 1
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_block_runs_as_written(block, tmp_path, monkeypatch, capsys):
+    # Each block on its own, in a fresh namespace: a reader copies one block.
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
+    assert [str(w.message) for w in caught] == []
+    assert capsys.readouterr().out.splitlines() == _printed(block)
 
 
 def _test_command(text: str) -> str:
@@ -67,3 +68,54 @@ def test_ci_runs_the_readmes_test_command_and_the_docs_show_it():
     assert ci[-1] == command
     for page in ["getting-started.md", "testing.md"]:
         assert _test_command((root / "docs" / page).read_text()) == command, page
+
+
+def test_the_readme_runs_the_main_job():
+    (line,) = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+        for line in block.splitlines()
+        if "examples/train_digits.py" in line
+    ]
+    assert line.endswith("&& python examples/train_digits.py")
+    assert (ROOT / "examples" / "train_digits.py").exists()
+
+
+def _hooks() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "site_hooks", ROOT / "docs" / "_hooks" / "hooks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_the_site_shows_the_readme_as_its_home_page():
+    hooks = _hooks()
+    assert hooks.PAGES["README.md"] == "index.md"
+    for path, page in hooks.PAGES.items():
+        assert (ROOT / path).exists(), path
+        # Written once: not copied into docs/ (where it would also clash).
+        assert not (ROOT / "docs" / page).exists(), page
+    home = hooks.relink(README.read_text(), "index.md")
+    links = re.findall(r"\]\(([^)#]+)", home)
+    assert "design.md" in links and "porting.md" in links
+    # Every relative link of the README points to a page of docs/ (the strict
+    # build refuses links to anything else).
+    relative = [link for link in links if "://" not in link]
+    assert relative
+    for link in relative:
+        assert (ROOT / "docs" / link).exists(), link
+
+
+def test_links_are_rewritten_from_where_the_file_is():
+    hooks = _hooks()
+    text = "[a](../../README.md) [b](../design.md#vmap) [c](https://x.org/a.md) [d](#e)"
+    assert hooks.relink(text, "api/jit.md") == (
+        "[a](../index.md) [b](../design.md#vmap) [c](https://x.org/a.md) [d](#e)"
+    )
+    # From the README, at the repository's root.
+    assert hooks.relink("[x](docs/api/jit.md#y)", "index.md") == "[x](api/jit.md#y)"
+    # A file that is no page of the site is left alone (the build then fails).
+    assert hooks.relink("[x](examples/a.py)", "index.md") == "[x](examples/a.py)"

@@ -1,22 +1,7 @@
-"""The first `set_state` of an index: where the state's memory comes from.
-
-Eagerly (also under eager `vmap`s, whose tracers unwrap into the concrete stacked
-value) the memory is allocated holding a copy of the value, and the state is set.
-
-Inside a trace (`jax.jit`, `jaxstate.jit`, a `scan` or `cond` body, `grad`, a `vmap`
-inside any of them) only the value's shape and dtype are known. The references are
-allocated right away from them (zeros, of the stacked shape when under vmaps),
-outside the trace, and the trace writes the value into them as an ordinary write:
-the compiled program captures them as it would any closed-over reference, and
-updates them in place when it runs. No callback, no copy per call.
-
-Whether that program ever runs, and reaches the `set_state` (which may sit in a
-branch not taken, or in a trace that is only abstract, as in `jax.eval_shape`, or
-that fails), is recorded by the program itself: it also writes `True` into a small
-flag reference next to the value. Until the flag is seen `True` the state is
-*pending*. The trace that created it reads and writes it like set state; anything
-else settles it first (`is_set`), by reading the flag, and treats it as unset while
-the flag is `False`. See docs/design.md, "First set inside a trace".
+"""The first `set_state` of an index: where the state's memory comes from, eagerly
+and inside a trace (references made at trace time, *pending* until the program is
+seen to reach the set). See README.md beside this file, and docs/design.md, "First
+set inside a trace".
 """
 
 import jax.numpy as jnp

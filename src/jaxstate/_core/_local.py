@@ -1,15 +1,6 @@
-"""The references a `jaxstate.jit` trace gives the states passed to it.
-
-Inside the compiled function each state starts as a plain traced value (a donated
-input). Read and written at the top level of the function, it stays one: a read
-returns the current value, a write replaces it, and the last value is the output.
-That records nothing in the program, which keeps tracing and compiling a function
-with many states close to what the hand-threaded function costs.
-
-The first access from anywhere deeper (`vmap`, `grad`, `scan`, `cond`, a nested
-`jit`, ...) turns the value into a real `jax.Ref`, created at the top level, and
-every later access uses that reference: nested transforms need a reference to
-write through.
+"""The references a `jaxstate.jit` trace gives the states passed to it: a plain
+traced value at the top level of the function, a real `jax.Ref` from the first
+access inside a nested transform. See README.md beside this file.
 """
 
 from typing import Any

@@ -1,18 +1,7 @@
-"""Who may read or replace a state's buffers, and when an interrupt may land.
-
-**Threads.** A call of `jaxstate.jit` *checks out* the states it was passed for as
-long as it runs: it hands their buffers to XLA (donated) and puts the new ones back
-afterwards. Anything else that reads or writes those states (an eager read, a
-snapshot, another call) waits until they are back; states of other models are not
-held up. The lock guarding the bookkeeping is held for microseconds, never while
-tracing, compiling or running.
-
-**Interrupts.** Between a call handing its buffers to XLA and the new ones being put
-back, an asynchronous `KeyboardInterrupt` (Ctrl-C, `_thread.interrupt_main`) would
-leave states without a buffer. Inside `critical()` such an interrupt is deferred,
-in the main thread, to the end of the section: the step completes (or, if it fails,
-changes nothing) and the interrupt is raised right after. This wraps Python's SIGINT
-handler while a section runs in the main thread (docs/design.md, "Interrupts").
+"""Who may read or replace a state's buffers, and when an interrupt may land: the
+states a running `jaxstate.jit` call has checked out, and critical sections that
+defer Ctrl-C in the main thread. See README.md beside this file, and
+docs/design.md, "Threads" and "Interrupts".
 """
 
 import _signal  # pyright: ignore[reportMissingImports]  (CPython's, under `signal`)

@@ -1,13 +1,6 @@
-"""Where state lives: one `Storage` per `StateIndex`, reached through a `Handle`.
-
-A `Handle` flattens to *no leaves*, so a model holding state passes through `jax.grad`,
-`jax.vmap`, `jtu.tree_map`, optax and friends untouched. Its static aux data is a
-`Key`: an integer identity plus a reference to the storage that is strong only until
-the tree is unflattened once. That carries state across a flatten/unflatten round trip
-(e.g. a model built inside `eqx.filter_vmap`) even when the original objects die in
-between, while JAX's long-lived jit caches, which keep aux data alive, end up holding
-only weak references. Every live `Handle` keeps its storage alive; the storage dies
-with the last copy of its index. See docs/design.md, "Lifetime".
+"""Where state lives: one `Storage` per state, reached from a `StateIndex` through
+a `Handle`, whose aux data is a `Key`. See README.md beside this file (the objects)
+and docs/design.md, "Lifetime" (why keys are strong, then weak).
 """
 
 import copy

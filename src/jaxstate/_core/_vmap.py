@@ -1,15 +1,7 @@
-"""How state meets `vmap`: the stacked value in storage versus one slice per member.
-
-State set under `vmap` is stored *stacked*: with one leading axis per enclosing vmap
-(outermost first), so each member of the vmap owns a slice. Reading or writing it
-under vmap moves between the stacked value and the member's slice. A `lax.scan`,
-`lax.cond` or `jax.jit` body under vmap is traced first and batched afterwards (and
-JAX may batch a `jit` body it traced earlier, outside any vmap), so the slicing
-cannot be decided by ordinary code at trace time. Reads and writes therefore go
-through two pure primitives whose batching rules turn the stacked value into the
-batched member value (and back) one vmap level at a time. Each rule decides, when it
-runs, whether its vmap is one of the state's own batch axes (the outermost ones) by
-counting the vmaps outside it. See docs/design.md, "vmap".
+"""How state meets `vmap`: the stacked value in storage versus one slice per member,
+through two primitives whose batching rules decide, one vmap level at a time,
+whether a vmap is one of the state's batch axes. See README.md beside this file,
+and docs/design.md, "vmap".
 """
 
 from collections.abc import Sequence

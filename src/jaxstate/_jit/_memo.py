@@ -1,19 +1,6 @@
-"""What a `jaxstate.jit` function remembers between calls, so that a training loop
-(`model, loss = step(model, x)`) does no Python work per call beyond gathering
-arrays.
-
-- **Parts of argument objects.** Flattening Equinox modules and looking at every leaf
-  costs more than the compiled call of a small step, so it is done once per object:
-  modules are immutable, so the same object has the same part. The modules a call
-  returns get theirs from the program's outputs (`_outputs.py`), without flattening.
-  Entries of modules are held by weak reference; tuples (an optax state; they have no
-  weak references) until the next call. Only the last call's entries are kept.
-- **The last call (`Last`).** Its arguments' part keys (by identity), its numbering of
-  states across arguments, and its program. A call whose arguments match it by
-  identity only gathers arrays (`match`, the fast path). When at most one argument
-  reaches states the record holds no state, so it stays valid for the next model of
-  a training loop and keeps nothing alive; when several do, it holds their
-  numbering until the next call that does not match.
+"""What a `jaxstate.jit` function remembers between calls: the parts of argument
+objects (`Memo`) and the last call (`Last`), so that a training loop's calls take
+the fast path (`Memo.match`). See README.md beside this file.
 """
 
 import operator

@@ -1,12 +1,5 @@
-"""How a `jaxstate.jit` program returns its output, and how a call rebuilds it.
-
-Each element of the output (each element of a returned tuple, or the whole output)
-is described once, when the program is traced, by an `OutPart`: where its arrays,
-states and indices go. Every call of that program rebuilds the element positionally
-from the arrays it returned and the call's states; an index of one of the call's
-states is one leaf (an `OutIndex`), made once per (state, flag) and reused. A
-returned module also gets, for free, the `Part` it would have as an argument, so a
-training loop never flattens its model again.
+"""How a `jaxstate.jit` program returns its output (`OutPart`, fixed at trace time),
+and how each call rebuilds it. See README.md beside this file.
 """
 
 from typing import Any, NamedTuple

@@ -1,13 +1,6 @@
-"""What an argument brings to a `jaxstate.jit` call: a `Part`.
-
-A part holds the argument's share of the cache key (its tree structure, and a `spec`
-with one entry per leaf: `ARRAY` for an array, a `Slot` for a state, the leaf itself
-for anything static), its arrays, and the distinct states it reaches, numbered in
-order (*slots*). The key names structure, never values or storages, so one compiled
-program serves every model of the same structure.
-
-A whole call is a part too: `combine` numbers the states of all its arguments' parts
-across them (one slot per distinct state) and joins their keys.
+"""What an argument brings to a `jaxstate.jit` call: a `Part` (its share of the
+cache key, its arrays, the states it reaches, numbered as slots). See README.md
+beside this file.
 """
 
 import dataclasses

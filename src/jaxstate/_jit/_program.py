@@ -1,16 +1,6 @@
-"""One compiled program of a `jaxstate.jit` function: one per call structure.
-
-The program takes `(kept arrays, donated arrays, state buffers, unused)` and returns
-`(output arrays, Static, new state buffers)`, where `Static` names the trace
-whose `outputs` description rebuilds the output. While it is traced, each state passed
-in is a stand-in storage whose references are local (`_core/_local.py`): plain
-values at the top level of the function, real references only where a nested
-transform needs one.
-
-**Donation is chosen per program.** A program that can fail while running (a host
-callback that raises, as `eqx.error_if` does) would fail after XLA took the donated
-buffers, losing the state: such a trace is stopped before it is compiled
-(`_Undonate`) and the program passes its state undonated from then on.
+"""One compiled program of a `jaxstate.jit` function, one per call structure, with
+donation chosen per program. See README.md beside this file, and docs/design.md,
+"jaxstate.jit".
 """
 
 import threading

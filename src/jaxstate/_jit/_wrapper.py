@@ -1,13 +1,6 @@
-"""`jaxstate.jit`: `eqx.filter_jit` whose state travels as donated arrays.
-
-Any call that touches a `jax.Ref` runs JAX's Python dispatch path (tens of µs). Here
-the state reachable from the arguments is instead passed in as donated arrays and
-handed back as outputs; the new buffers are then swapped into the storages'
-references. The program has only plain arrays at its boundary, so it takes JAX's C++
-fast path, and XLA aliases each state output to its donated input: updates stay in
-place. See `README.md` beside this file, and docs/design.md, "jaxstate.jit".
-
-Every call, compiled on demand or ahead of time, goes through `_JitWrapper.execute`.
+"""`jaxstate.jit`: `eqx.filter_jit` whose state travels as donated arrays. The call
+path (`_JitWrapper.__call__`, `prepare`, `execute`) and ahead-of-time lowering;
+see README.md beside this file.
 """
 
 import functools

@@ -45,7 +45,7 @@ class BatchNorm(eqx.Module):
 
     Four modes. The first three normalise with the batch statistics in training,
     and keep an exponential moving average (EMA) of them for inference; they differ
-    only in what inference normalises with (docs/layers.md compares them):
+    only in what inference normalises with (docs/batch-norm.md compares them):
 
     - `mode="debiased"` (the default): the weighted average of the batch statistics
       seen so far, with weight `momentum**age`; the same as an EMA started at zero
@@ -113,7 +113,7 @@ class BatchNorm(eqx.Module):
         - `dtype`: dtype of the affine parameters and of the running statistics;
             defaults to float32 (float64 with `jax_enable_x64`). The statistics
             are never kept in less than float32: a float16 or bfloat16 layer keeps
-            them in float32 (docs/layers.md says why). Input of any dtype is fine:
+            them in float32 (docs/batch-norm.md says why). Input of any dtype is fine:
             its statistics are computed in the wider of its dtype and the
             statistics', and stored cast to the statistics'.
         - `mode`: `"debiased"`, `"batch"`, `"flax"` or `"ema"`, see above. Unset, it
@@ -155,7 +155,7 @@ class BatchNorm(eqx.Module):
             self.weight = self.bias = None
         # An average moved by `1 - momentum` of the gap each step stalls in half
         # precision: in bfloat16, with momentum 0.99, two thirds of the way to a
-        # batch mean of 3 (docs/layers.md).
+        # batch mean of 3 (docs/batch-norm.md).
         stats_dtype = at_least_float32(dtype)
         zeros = jnp.zeros((input_size,), stats_dtype)
         ones = jnp.ones((input_size,), stats_dtype)

@@ -175,7 +175,7 @@ class KVCache(eqx.Module):
         for batched caches), and inside compiled code the run-time error of
         `eqx.error_if` when the call runs. `RuntimeError` under a vmap the cache was
         not created under. The cache is unchanged after an error (see
-        docs/layer-attention.md for compiled calls).
+        docs/kv-cache.md for compiled calls).
         """
         keys, values = jnp.asarray(keys), jnp.asarray(values)
         n = keys.shape[0] if keys.ndim == 3 else -1
@@ -265,7 +265,7 @@ class KVCache(eqx.Module):
                 )
             return start
         # Inside compiled code: when the call runs. `jaxstate.jit` then passes the
-        # state undonated, so a failed call keeps it (docs/layer-attention.md).
+        # state undonated, so a failed call keeps it (docs/kv-cache.md).
         return eqx.error_if(
             start,
             ~fits,
