@@ -17,18 +17,20 @@ from .. import _jax
 from ._lock import critical, exclusive
 
 
-def new_ref(value) -> jax.Ref:
-    """A reference owning a fresh buffer holding `value` (concrete)."""
-    # Strongly typed, like every buffer a compiled call returns, so that the first
-    # `jaxstate.jit` call and later ones share one compilation; committed to a
-    # device only if `value` is (a compiled step's outputs are committed when any
-    # input is, and freshly built parameters are not).
-    value = jnp.array(value, copy=True)
-    value = jax.lax.convert_element_type(value, value.dtype)
+def new_ref(value, *, copy: bool = True) -> jax.Ref:
+    """A reference owning a fresh buffer holding `value` (concrete); `copy=False`
+    for a buffer made by `replacement`, which is one already."""
+    if copy:
+        # Strongly typed, like every buffer a compiled call returns, so that the
+        # first `jaxstate.jit` call and later ones share one compilation; committed
+        # to a device only if `value` is (a compiled step's outputs are committed
+        # when any input is, and freshly built parameters are not).
+        value = jnp.array(value, copy=True)
+        value = jax.lax.convert_element_type(value, value.dtype)
     return jax.new_ref(value, kind="no_grad_no_remat")
 
 
-def _fresh(current: jax.Array, value) -> jax.Array:
+def replacement(current: jax.Array, value) -> jax.Array:
     """A buffer of `value`'s own to replace `current`: strongly typed, on the same
     devices, never aliasing `value` (`jaxstate.jit` donates it)."""
     sharding = current.sharding
@@ -80,7 +82,7 @@ def commit(items: list[tuple[Any, list]]) -> None:
         if any(isinstance(x, _jax.Tracer) for x in leaves):
             raise RuntimeError(_LEAKED)
         for ref, leaf in zip(storage.refs or (), leaves, strict=True):
-            new.append((ref, _fresh(_jax.buffer(ref), leaf)))
+            new.append((ref, replacement(_jax.buffer(ref), leaf)))
     items = [(s, leaves) for s, leaves in items if s.real is None]
     with critical(), exclusive([s for s, _ in items]):
         for ref, buf in new:

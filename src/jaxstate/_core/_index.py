@@ -6,7 +6,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 from ._access import read_stacked, write, write_stacked
 from ._flag import Flag, flag_value, to_flag
-from ._storage import Handle, is_set
+from ._storage import Handle, is_set, Storage
 
 
 _T = TypeVar("_T")
@@ -130,6 +130,14 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     new = object.__new__(StateIndex)
     object.__setattr__(new, "_handle", index._handle)
     object.__setattr__(new, "inference", Flag(value))
+    return new
+
+
+def with_storage(index: StateIndex, storage: Storage) -> StateIndex:
+    """A copy of `index` (same flag) that reaches `storage` instead."""
+    new = object.__new__(StateIndex)
+    object.__setattr__(new, "_handle", Handle.of(storage))
+    object.__setattr__(new, "inference", index.inference)
     return new
 
 

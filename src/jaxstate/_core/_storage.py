@@ -12,7 +12,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jax
-from ._buffers import new_ref, snapshot
+from ._buffers import new_ref, replacement, snapshot
 from ._context import root_trace
 
 
@@ -192,6 +192,23 @@ def holding(treedef, avals, batch_shape, values: list) -> Storage:
     storage.treedef = treedef
     storage.member_avals = tuple(avals)
     storage.batch_shape = tuple(batch_shape)
+    storage.refs = refs
+    return storage
+
+
+def holding_like(template: Storage, values: list) -> Storage:
+    """A new storage of the same structure as `template` (whose state has a
+    structure), holding `values` (stacked, already checked), each placed as a
+    write to `template` would place it."""
+    storage = Storage()
+    with _jax.set_current_trace(_jax.eval_trace()):
+        refs = tuple(
+            new_ref(replacement(_jax.buffer(ref), value), copy=False)
+            for ref, value in zip(template.refs or (), values, strict=True)
+        )
+    storage.treedef = template.treedef
+    storage.member_avals = template.member_avals
+    storage.batch_shape = template.batch_shape
     storage.refs = refs
     return storage
 
