@@ -3,17 +3,16 @@
 import importlib.metadata
 
 from . import nn as nn
-from ._checkpoint._orbax import (
-    checkpoint_tree as checkpoint_tree,
-    load_checkpoint_tree as load_checkpoint_tree,
-)
-from ._checkpoint._serialise import (
+from ._checkpoint._equinox import (
     deserialise_filter_spec as deserialise_filter_spec,
-    load as load,
-    save as save,
     serialise_filter_spec as serialise_filter_spec,
     tree_deserialise_leaves as tree_deserialise_leaves,
     tree_serialise_leaves as tree_serialise_leaves,
+)
+from ._checkpoint._npz import load as load, save as save
+from ._checkpoint._orbax import (
+    checkpoint_tree as checkpoint_tree,
+    load_checkpoint_tree as load_checkpoint_tree,
 )
 from ._checkpoint._state_dict import (
     load_state_dict as load_state_dict,

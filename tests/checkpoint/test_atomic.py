@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate._checkpoint import _state_dict
+from jaxstate._checkpoint import _load
 from tests.helpers import (
     assert_unchanged,
     load_with_equinox,
@@ -69,7 +69,7 @@ def test_a_bad_leaf_inside_a_state_is_named_by_its_path(model, source):
 def test_an_interrupt_while_checking_changes_nothing(model, source, monkeypatch):
     before = snapshot(model)
     calls = []
-    original = _state_dict.checked
+    original = _load.check_entry
 
     def interrupted(name, *args):
         calls.append(name)
@@ -77,7 +77,7 @@ def test_an_interrupt_while_checking_changes_nothing(model, source, monkeypatch)
             raise KeyboardInterrupt
         return original(name, *args)
 
-    monkeypatch.setattr(_state_dict, "checked", interrupted)
+    monkeypatch.setattr(_load, "check_entry", interrupted)
     with pytest.raises(KeyboardInterrupt):
         jaxstate.load_state_dict(model, jaxstate.state_dict(source))
     assert calls == ["weight", "a", "b['x']", "c"]

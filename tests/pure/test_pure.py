@@ -131,7 +131,7 @@ def test_bad_state_is_an_error():
     pure, state = jaxstate.to_pure(lambda v: model(v), model)
     with pytest.raises(ValueError, match="exactly the entries"):
         pure({k: v for k, v in state.items() if k != "calls"}, x)
-    with pytest.raises(ValueError, match=r"state\['calls'\] has a leaf"):
+    with pytest.raises(ValueError, match=r"`state\['calls'\]` has shape \(2,\)"):
         pure({**state, "calls": jnp.zeros(2, jnp.int32)}, x)
     with pytest.raises(RuntimeError, match="no state yet"):
         jaxstate.to_pure(lambda: None, jaxstate.StateIndex())

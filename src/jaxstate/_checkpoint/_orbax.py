@@ -4,64 +4,49 @@ arrays and states as a plain dict, and back.
 Nothing here imports Orbax: the dict is what Orbax's `StandardSave` and
 `StandardRestore` take. Orbax cannot store PRNG key arrays or arrays with no
 elements, so keys go in as their key data (under their implementation's name) and
-empty arrays are left out (they hold no data; `load_checkpoint_tree` takes them
-from the model loaded into).
+empty arrays are left out (they hold no data; `load_checkpoint_tree` makes them
+again from the model loaded into).
 """
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import PyTree
 
-from .._core._buffers import snapshot
 from .._core._checks import check_outside
-from ._state_dict import (
-    is_key_dtype,
-    key_impl,
-    key_shape,
-    load_state_dict,
-    state_dict,
-    walk,
-)
+from ._load import load_mapping, Options
+from ._values import is_key_dtype, key_data_sharding, key_impl, key_shape
+from ._walk import ArrayEntry, walk
 
 
 def _is_empty(x) -> bool:
     return 0 in x.shape
 
 
-def _key_data_sharding(key: Any) -> Any:
-    return jax.random.key_data(key).sharding
-
-
 def _abstract(tree) -> dict[str, Any]:
-    items, states = walk(tree)
     out: dict[str, Any] = {}
 
-    def add(name, shape, dtype, sharding, value):
+    def add(name, shape, dtype, sharding):
         if 0 in shape:
             return
         if is_key_dtype(dtype):
+            if sharding is not None:
+                sharding = key_data_sharding(sharding, dtype, len(shape))
             data_shape = tuple(shape) + key_shape(dtype)
-            data = jax.ShapeDtypeStruct(
-                data_shape, "uint32", sharding=_key_data_sharding(value())
-            )
+            data = jax.ShapeDtypeStruct(data_shape, "uint32", sharding=sharding)
             out[name] = {key_impl(dtype): data}
         else:
             out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    for item in items:
-        if item[0] == "array":
-            _, name, leaf = item
-            add(name, leaf.shape, leaf.dtype, leaf.sharding, lambda leaf=leaf: leaf)
+    for entry in walk(tree, abstract=True).entries:
+        if isinstance(entry, ArrayEntry):
+            leaf = entry.leaf
+            add(entry.name, leaf.shape, leaf.dtype, getattr(leaf, "sharding", None))
         else:
-            entry = item[1]
-            refs = entry.storage.refs or ()
-            for i, (name, ref) in enumerate(zip(entry.names(), refs, strict=True)):
-
-                def value(entry=entry, i=i):
-                    return snapshot([entry.storage])[0][i]
-
-                add(name, ref.shape, ref.dtype, ref.sharding, value)
+            for name, ref in zip(entry.names(), entry.refs, strict=True):
+                add(name, ref.shape, ref.dtype, ref.sharding)
     return out
 
 
@@ -79,8 +64,9 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
 
     - `tree`: the model, or any PyTree of models, arrays and optimiser states.
     - `abstract`: if `True`, `jax.ShapeDtypeStruct`s with each array's and state's
-        sharding instead of arrays: a restore target that copies nothing. Orbax
-        restores each array with the sharding given here, so build `like` with the
+        sharding instead of arrays: a restore target that copies nothing. `tree`
+        may then be built with `eqx.filter_eval_shape` or `jax.eval_shape`. Orbax
+        restores each array with the sharding given here, so build `tree` with the
         sharding you want (e.g. with [`jaxstate.device_put`][]).
 
     **Returns:**
@@ -108,7 +94,7 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
         return _abstract(tree)
     check_outside("jaxstate.checkpoint_tree")
     out: dict[str, Any] = {}
-    for name, array in state_dict(tree).items():
+    for name, array in walk(tree).items().items():
         if _is_empty(array):
             continue
         if is_key_dtype(array.dtype):
@@ -116,6 +102,14 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
         else:
             out[name] = array
     return out
+
+
+def _empty(shape, dtype) -> Any:
+    """An array of `shape` (with a 0 in it) and `dtype`: it holds no data."""
+    if is_key_dtype(dtype):
+        data = jnp.zeros(tuple(shape) + key_shape(dtype), jnp.uint32)
+        return jax.random.wrap_key_data(data, impl=key_impl(dtype))
+    return np.zeros(shape, dtype)
 
 
 def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
@@ -127,13 +121,15 @@ def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
     **Arguments:**
 
     - `like`: a model of the same structure (the one whose abstract
-        `checkpoint_tree` was the restore target).
+        `checkpoint_tree` was the restore target): built as usual, or with
+        `eqx.filter_eval_shape` / `jax.eval_shape`.
     - `restored`: the dict Orbax returned.
 
     **Returns:**
 
     A copy of `like` holding the loaded arrays; its state (shared with every copy of
-    it) holds the loaded values.
+    it) holds the loaded values. Into a model built with `eqx.filter_eval_shape` or
+    `jax.eval_shape`, the copy gets new states holding them instead.
 
     **Raises:**
 
@@ -163,22 +159,18 @@ def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
                     f"implementation {impl!r} that cannot be wrapped ({e})."
                 ) from e
         mapping[name] = value
-    # Arrays with no elements were left out of the checkpoint: take them from
-    # `like` (they hold no data).
-    items, states = walk(like, abstract=True)
-    for item in items:
-        if item[0] == "array" and _is_empty(item[2]) and item[1] not in mapping:
-            mapping[item[1]] = item[2]
-    empty_states = [
-        e
-        for e in states.values()
-        if any(0 in r.shape for r in e.storage.refs or ())
-        and any(n not in mapping for n in e.names())
-    ]
-    if empty_states:
-        current = snapshot([e.storage for e in empty_states])
-        for entry, values in zip(empty_states, current, strict=True):
-            for name, value in zip(entry.names(), values, strict=True):
-                if _is_empty(value):
-                    mapping.setdefault(name, value)
-    return load_state_dict(like, mapping)
+    # Arrays with no elements were left out of the checkpoint: they hold no data.
+    contents = walk(like, abstract=True)
+    for entry in contents.entries:
+        if isinstance(entry, ArrayEntry):
+            shapes = [(entry.name, entry.leaf.shape, entry.leaf.dtype)]
+        else:
+            shapes = [
+                (n, r.shape, r.dtype)
+                for n, r in zip(entry.names(), entry.refs, strict=True)
+            ]
+        for name, shape, dtype in shapes:
+            if 0 in shape and name not in mapping:
+                mapping[name] = _empty(shape, dtype)
+    options = Options("load_checkpoint_tree")
+    return load_mapping(like, mapping, strict=True, options=options, contents=contents)

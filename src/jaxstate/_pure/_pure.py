@@ -9,32 +9,23 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._checkpoint._values import check_value
+from .._checkpoint._walk import leaf_paths, walk
 from .._core._buffers import commit, snapshot
 from .._core._checks import check_outside
 from .._core._context import redirected
-from .._core._index import StateIndex
 from .._core._storage import Storage
 
 
 def states_of(tree) -> dict[str, Storage]:
     """The distinct states reachable from `tree`, by the path of their first index."""
-    out: dict[str, Storage] = {}
-    seen: set[int] = set()
-    paths = jtu.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, StateIndex)
-    )
-    for path, leaf in paths[0]:
-        if isinstance(leaf, StateIndex):
-            storage = leaf._handle.get()
-            if storage.refs is None:
-                raise RuntimeError(
-                    f"The StateIndex at {jtu.keystr(path)!r} has no state yet; set it "
-                    "before making a pure function."
-                )
-            if storage.id not in seen:
-                seen.add(storage.id)
-                out[jtu.keystr(path).lstrip(".")] = storage
-    return out
+    contents = walk(tree, abstract=True)
+    if contents.unset:
+        raise RuntimeError(
+            f"The StateIndex at {jtu.keystr(contents.unset[0])!r} has no state yet; "
+            "set it before making a pure function."
+        )
+    return {entry.name: entry.storage for entry in contents.states}
 
 
 def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
@@ -44,6 +35,47 @@ def _values(storages: dict[str, Storage]) -> dict[str, PyTree]:
         name: jtu.tree_unflatten(s.treedef, v)
         for (name, s), v in zip(storages.items(), values, strict=True)
     }
+
+
+def checked_state(
+    storages: dict[str, Storage],
+    state: Any,
+    what: str,
+    fn: str,
+    *,
+    shapes: bool = True,
+) -> dict[str, list]:
+    """The stacked leaves of each state in `state` (named `what`, e.g.
+    "new_state"), checked against the stored states: names, structure, and each
+    leaf's shape (batch axes first; not with `shapes=False`, for blocks inside
+    `shard_map`) and dtype. `fn` begins each message."""
+    if not isinstance(state, dict) or set(state) != set(storages):
+        got = sorted(state) if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise ValueError(
+            f"{fn}: `{what}` must have exactly the entries {sorted(storages)}, got "
+            f"{got}: a dict like the state `jaxstate.to_pure` gives."
+        )
+    out = {}
+    for name, storage in storages.items():
+        leaves, treedef = jtu.tree_flatten(state[name])
+        if treedef != storage.treedef:
+            raise ValueError(
+                f"{fn}: `{what}[{name!r}]` has structure {treedef}, but the state "
+                f"has structure {storage.treedef}."
+            )
+        subs = leaf_paths(storage.treedef)
+        out[name] = [
+            check_value(
+                f"{fn}: `{what}[{name!r}]{jtu.keystr(sub)}`",
+                jnp.asarray(leaf),
+                ref.shape,
+                ref.dtype,
+                key_data=False,
+                shapes=shapes,
+            )
+            for leaf, ref, sub in zip(leaves, storage.refs or (), subs, strict=True)
+        ]
+    return out
 
 
 def run_with_state(
@@ -57,29 +89,12 @@ def run_with_state(
     """Runs `fun` with the given storages' state taken from `state` (as local
     references) instead of from the storages; returns `(out, new_state)`. With
     `whole=False` (inside `shard_map`) the values may be blocks of the state."""
-    if set(state) != set(storages):
-        raise ValueError(
-            f"`state` must have exactly the entries {sorted(storages)}, got "
-            f"{sorted(state)}."
-        )
+    leaves = checked_state(storages, state, "state", "pure_fun", shapes=whole)
     proxies = {}
     for name, storage in storages.items():
-        leaves, treedef = jtu.tree_flatten(state[name])
-        if treedef != storage.treedef:
-            raise ValueError(
-                f"state[{name!r}] has structure {treedef}, expected {storage.treedef}."
-            )
         refs = tuple(
-            jax.new_ref(jnp.asarray(x), kind="no_grad_no_remat") for x in leaves
+            jax.new_ref(leaf, kind="no_grad_no_remat") for leaf in leaves[name]
         )
-        for leaf, ref, local in zip(leaves, storage.refs or (), refs, strict=True):
-            if jnp.result_type(leaf) != ref.dtype or (
-                whole and local.shape != ref.shape
-            ):
-                raise ValueError(
-                    f"state[{name!r}] has a leaf of {jnp.result_type(leaf)}"
-                    f"{list(jnp.shape(leaf))}, expected {ref.dtype}{list(ref.shape)}."
-                )
         proxies[storage.id] = Storage.proxy(storage, refs)
     with redirected(proxies):
         out = fun(*args, **kwargs)
@@ -161,40 +176,11 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
         check_outside("the function made by `jaxstate.from_pure`")
         out, new_state = pure_fun(_values(storages), *args, **kwargs)
         # Check every state before writing any, then write them all at once.
-        commit(_checked_state(storages, new_state))
+        try:
+            leaves = checked_state(storages, new_state, "new_state", "from_pure")
+        except ValueError as e:
+            raise ValueError(f"{e} Nothing was written.") from None
+        commit([(storages[name], leaves[name]) for name in storages])
         return out
 
     return fun
-
-
-def _checked_state(
-    storages: dict[str, Storage], new_state: Any
-) -> list[tuple[Storage, list]]:
-    """The stacked leaves of each state in `new_state`, checked against the stored
-    states (names, structure, shapes with batch axes, dtypes)."""
-    if not isinstance(new_state, dict) or set(new_state) != set(storages):
-        got = sorted(new_state) if isinstance(new_state, dict) else type(new_state)
-        raise ValueError(
-            "from_pure: the pure function must return `(out, new_state)` with "
-            f"`new_state` a dict with exactly the entries {sorted(storages)}, got "
-            f"{got}. Nothing was written."
-        )
-    items = []
-    for name, storage in storages.items():
-        leaves, treedef = jtu.tree_flatten(new_state[name])
-        if treedef != storage.treedef:
-            raise ValueError(
-                f"from_pure: new_state[{name!r}] has structure {treedef}, but the "
-                f"state has structure {storage.treedef}. Nothing was written."
-            )
-        for leaf, ref in zip(leaves, storage.refs or (), strict=True):
-            shape, dtype = jnp.shape(leaf), getattr(leaf, "dtype", None)
-            if shape != ref.shape or dtype != ref.dtype:
-                raise ValueError(
-                    f"from_pure: new_state[{name!r}] has a leaf of {dtype}"
-                    f"{list(shape)}, but the state holds {ref.dtype}"
-                    f"{list(ref.shape)} (vmap batch axes first). Nothing was "
-                    "written."
-                )
-        items.append((storage, leaves))
-    return items

@@ -1,0 +1,191 @@
+"""Loading, under every format: the new values of a tree's arrays and states are
+all checked first (`Staged` collects them), then written at once.
+
+`load_mapping` is the loader of the formats that name their entries (a mapping from
+`jaxstate.state_dict`, an `.npz` from `jaxstate.save`, what Orbax restored): it
+matches names, checks every value and stages it. Equinox's format, whose entries
+follow the tree's order, stages as it reads (`_equinox.py`).
+
+A state of `like` that has a structure but no value (every state of a model built
+with `eqx.filter_eval_shape` or `jax.eval_shape`) is not written: such states were
+created when the abstract trace ran, and `jax.eval_shape` of the same function
+returns the same ones every time. The loaded tree gets a new state holding the
+loaded value instead, as the arrays of such a model are replaced by new ones.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax.tree_util as jtu
+
+from .._core._buffers import commit
+from .._core._index import StateIndex, with_storage
+from .._core._storage import holding_like, is_set, Storage
+from ._values import check_value, place, same
+from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
+
+
+def for_state(value: Any, ref: Any) -> Any:
+    """A checked value, ready to be written to a state's buffer `ref`."""
+    # The commit puts each value where the state's buffer is; across processes it
+    # needs a global array to start from.
+    if ref.sharding.is_fully_addressable:
+        return value
+    return place(value, ref)
+
+
+class Staged:
+    """The checked new values of some of a tree's arrays and states."""
+
+    def __init__(self):
+        self.arrays: dict[str, Any] = {}  # by name, placed like the old array
+        self.states: dict[int, tuple[Storage, list]] = {}  # by storage id
+
+    def array(self, entry: ArrayEntry, value: Any) -> None:
+        self.arrays[entry.name] = place(value, entry.leaf)
+
+    def state(self, storage: Storage, leaves: list) -> None:
+        """`leaves`: every leaf of the state, stacked, checked."""
+        refs = storage.refs or ()
+        placed = [for_state(v, r) for v, r in zip(leaves, refs, strict=True)]
+        self.states[storage.id] = (storage, placed)
+
+    def apply(self, tree: Any, is_leaf=None) -> Any:
+        """Writes every staged state (all at once), and returns `tree` with the
+        staged arrays, and new states for the abstract ones (see above)."""
+        in_place, fresh = [], {}
+        for sid, (storage, leaves) in self.states.items():
+            if is_set(storage):
+                in_place.append((storage, leaves))
+            else:
+                fresh[sid] = holding_like(storage, leaves)
+        commit(in_place)
+        if not self.arrays and not fresh:
+            return tree
+        paths_leaves, treedef = jtu.tree_flatten_with_path(
+            tree, is_leaf=with_indices(is_leaf)
+        )
+        out = []
+        for path, leaf in paths_leaves:
+            if isinstance(leaf, StateIndex):
+                new = fresh.get(leaf._handle.get().id)
+                out.append(leaf if new is None else with_storage(leaf, new))
+            else:
+                out.append(self.arrays.get(name_of(path), leaf))
+        return jtu.tree_unflatten(treedef, out)
+
+
+#
+# Loading a mapping.
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How `load_mapping` was called: for its messages."""
+
+    fn: str  # the public function, e.g. "load_state_dict"
+    dtype_fix: str | None = None  # see `check_value`
+
+
+def check_entry(name: str, value: Any, shape: tuple, dtype: Any, options: Options):
+    """The check of the value given for the entry `name` (see `check_value`)."""
+    where = f"{options.fn}: entry {name!r}"
+    return check_value(where, value, shape, dtype, dtype_fix=options.dtype_fix)
+
+
+_UNSET = (
+    "{fn}: entries {names} are for states that this model's indices do not hold "
+    "yet (they are set when the model first runs, so their structure is unknown). "
+    "Build the model with its state first, for example by calling it once on an "
+    "example input (or giving those indices `init=`), then load. Nothing was "
+    "loaded."
+)
+
+
+def _for_unset(contents: Contents, names) -> list[str]:
+    """The names among `names` that belong to an index of the tree with no state
+    yet, whose structure is therefore unknown."""
+    unset = [name_of(path) for path in contents.unset]
+    return sorted(
+        n
+        for n in names
+        if any(n == u or n.startswith((u + "[", u + ".")) for u in unset)
+    )
+
+
+def load_mapping(
+    tree: Any,
+    mapping: dict[str, Any],
+    *,
+    strict: bool,
+    options: Options,
+    contents: Contents | None = None,
+) -> Any:
+    """Loads `mapping` (names to values) into `tree`, as `load_state_dict` does."""
+    if contents is None:
+        contents = walk(tree, abstract=True)
+    arrays = {e.name: e for e in contents.arrays}
+    known = set(arrays)
+    missing = [name for name in arrays if name not in mapping]
+    # Per state, per leaf: every name it may be given under, its own first.
+    leaf_names: dict[int, list[list[str]]] = {}
+    for entry in contents.states:
+        leaf_names[entry.storage.id] = entry.all_names()
+        for names in leaf_names[entry.storage.id]:
+            known.update(names)
+            if not any(n in mapping for n in names):
+                missing.append(names[0])
+    unexpected = [name for name in mapping if name not in known]
+    unset = _for_unset(contents, unexpected)
+    if unset:
+        # Even with `strict=False`: skipping them would drop saved state silently.
+        raise KeyError(_UNSET.format(fn=options.fn, names=unset))
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"{options.fn}: missing entries {sorted(missing)}, unexpected entries "
+            f"{sorted(unexpected)}. The mapping must come from a model of the same "
+            f"structure; pass `strict=False` to load a subset."
+        )
+    if not strict and unexpected and len(unexpected) == len(mapping):
+        raise KeyError(
+            f"{options.fn}: none of the entries {sorted(unexpected)[:5]} name an "
+            "array or state of this model."
+        )
+    # Check every new value before writing anything.
+    staged = Staged()
+    for name, entry in arrays.items():
+        if name in mapping:
+            leaf = entry.leaf
+            value = check_entry(name, mapping[name], leaf.shape, leaf.dtype, options)
+            staged.array(entry, value)
+    partial: list[tuple[StateEntry, list]] = []
+    for entry in contents.states:
+        leaves: list = []
+        for ref, names in zip(entry.refs, leaf_names[entry.storage.id], strict=True):
+            given = [n for n in names if n in mapping]
+            values = [
+                check_entry(n, mapping[n], ref.shape, ref.dtype, options) for n in given
+            ]
+            for other, value in zip(given[1:], values[1:], strict=True):
+                if not same(values[0], value):
+                    raise ValueError(
+                        f"{options.fn}: entries {given[0]!r} and {other!r} name the "
+                        "same state (one state reached through two indices), but "
+                        "hold different values. Give it once, under one of its names."
+                    )
+            leaves.append(values[0] if values else None)
+        if all(leaf is None for leaf in leaves):
+            continue
+        if any(leaf is None for leaf in leaves):
+            partial.append((entry, leaves))
+        else:
+            staged.state(entry.storage, leaves)
+    if partial:
+        # Only with `strict=False`: the leaves not given keep their values.
+        current = Contents(list(e for e, _ in partial), []).read()
+        for entry, leaves in partial:
+            now = current[entry.storage.id]
+            filled = [n if v is None else v for v, n in zip(leaves, now, strict=True)]
+            staged.state(entry.storage, filled)
+    return staged.apply(tree)

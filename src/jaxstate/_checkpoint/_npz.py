@@ -1,0 +1,182 @@
+"""jaxstate's own checkpoint files: one `.npz` holding every entry of
+`jaxstate.state_dict`, stored as raw bytes plus a manifest (format name and
+version, dtype, shape, and the implementation of PRNG keys), so that bfloat16,
+float8, int4 and keys round-trip exactly."""
+
+import json
+import pathlib
+import zipfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from .._core._checks import check_outside
+from ._files import atomic_write
+from ._load import load_mapping, Options
+from ._values import is_key_dtype, key_impl, to_host
+from ._walk import walk
+
+
+_FORMAT = "jaxstate.save"
+_VERSION = 1
+
+
+def save(path: str | pathlib.Path, tree: PyTree) -> None:
+    """Saves every array of `tree` and all of its state to one file, atomically.
+
+    The states are read together, consistently (as [`jaxstate.state_dict`][] reads
+    them); the file is written next to its destination, synced, and then renamed
+    over it, so an interrupted save leaves any previous file intact. A new file
+    gets the mode the umask allows, as with `open`; an existing file keeps its
+    mode. Every dtype round-trips exactly: bfloat16, float8, int4, complex, PRNG
+    keys (with their implementation), 0-d and empty arrays. A state reached through
+    several indices is stored once.
+
+    **Arguments:**
+
+    - `path`: the file to write (conventionally `.npz`).
+    - `tree`: the model, or any PyTree holding models, arrays and optimiser states.
+
+    !!! example
+
+        ```python
+        jaxstate.save("model.npz", model)
+        model = jaxstate.load("model.npz", Model(key))  # a freshly built model
+        ```
+    """
+    check_outside("jaxstate.save")
+    arrays = {}
+    keys = {}
+    for name, array in walk(tree).items().items():
+        if isinstance(array, jax.Array) and is_key_dtype(array.dtype):
+            keys[name] = key_impl(array.dtype)
+        arrays[name] = to_host(array)
+    # npz entries are stored as raw bytes plus a manifest, so that dtypes numpy
+    # cannot name in its format (bfloat16, float8, ...) round-trip exactly.
+    manifest = {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "names": list(arrays),
+        "arrays": {n: [str(a.dtype), list(a.shape)] for n, a in arrays.items()},
+        "keys": keys,
+    }
+    entries = {
+        f"a{i}": a.reshape(-1).view(np.uint8) for i, a in enumerate(arrays.values())
+    }
+    entries["manifest"] = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
+    with atomic_write(path) as f:
+        np.savez(f, **entries)  # pyright: ignore[reportArgumentType]
+
+
+def _not_ours(path, why: str) -> ValueError:
+    return ValueError(
+        f"`jaxstate.load`: {str(path)!r} is not a checkpoint written by "
+        f"`jaxstate.save`: {why}. Nothing was loaded."
+    )
+
+
+def _read(path: str | pathlib.Path) -> dict[str, Any]:
+    """The entries of a file written by `save`, checked, as NumPy arrays (PRNG keys
+    as key arrays)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic == b"\x93NUMPY":
+        raise _not_ours(
+            path,
+            "it is a NumPy `.npy` stream, as `np.save` and Equinox's "
+            "`tree_serialise_leaves` write. Load an Equinox file with "
+            "`jaxstate.tree_deserialise_leaves`",
+        )
+    if magic[:4] != b"PK\x03\x04":
+        raise _not_ours(path, "it is not an `.npz` (zip) file")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise _not_ours(path, f"it cannot be read as an `.npz` file ({e})") from e
+    with data:
+        if "manifest" not in data.files:
+            raise _not_ours(
+                path,
+                "it has no jaxstate manifest (a plain `np.savez` file?). Load its "
+                "arrays with `np.load` and pass them to `jaxstate.load_state_dict`",
+            )
+        try:
+            meta = json.loads(bytes(data["manifest"]).decode())
+            version = meta.get("version", 0)
+            if meta.get("format", _FORMAT) != _FORMAT:
+                raise ValueError(f"unknown format {meta.get('format')!r}")
+        except (AttributeError, UnicodeDecodeError, ValueError) as e:
+            raise _not_ours(path, f"its manifest is damaged ({e})") from e
+        if version > _VERSION:
+            raise _not_ours(
+                path,
+                f"it was written by a newer jaxstate (format version {version}); "
+                "update jaxstate to read it",
+            )
+        try:
+            names, arrays = meta["names"], meta["arrays"]
+            keys = meta.get("keys", {})
+            mapping = {}
+            for i, name in enumerate(names):
+                dtype_name, shape = arrays[name]
+                dtype = jnp.dtype(dtype_name)
+                raw = data[f"a{i}"]
+                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if raw.dtype != np.uint8 or raw.shape != (size,):
+                    raise ValueError(
+                        f"entry {name!r} holds {raw.nbytes} bytes, expected {size}"
+                    )
+                value = raw.view(dtype).reshape(shape)
+                if name in keys:
+                    value = jax.random.wrap_key_data(
+                        jnp.asarray(value), impl=keys[name]
+                    )
+                mapping[name] = value
+        except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
+            raise _not_ours(path, f"its manifest or entries are damaged ({e})") from e
+    return mapping
+
+
+_OTHER_X64 = (
+    "Build `like` with {found} there (a file written with another "
+    "`jax_enable_x64` setting holds other default dtypes)."
+)
+
+
+def load(path: str | pathlib.Path, like: PyTree, *, strict: bool = True) -> PyTree:
+    """Loads a file written by [`jaxstate.save`][] into a model of the same
+    structure.
+
+    The whole file is read and checked, then every state is written at once: on
+    any error nothing is changed.
+
+    **Arguments:**
+
+    - `path`: the file.
+    - `like`: a model of the same structure: freshly built (its state is
+        overwritten in place), or built with `eqx.filter_eval_shape` /
+        `jax.eval_shape` (no arrays allocated; the result gets new states).
+    - `strict`: as for [`jaxstate.load_state_dict`][]: if `False`, entries of
+        `like` that the file does not hold keep their values, and entries of the
+        file that `like` does not have are left out.
+
+    **Returns:**
+
+    `like`, with the saved arrays (placed like `like`'s) and, in place, the saved
+    state (new states, for an abstract `like`).
+
+    **Raises:**
+
+    A `ValueError` if the file was not written by `jaxstate.save` (a plain
+    `np.savez` file, a text file, a damaged file); otherwise as
+    [`jaxstate.load_state_dict`][]: a `KeyError` naming missing or unexpected
+    entries, a `ValueError` naming an entry whose shape or dtype differs.
+    """
+    check_outside("jaxstate.load")
+    options = Options("load", dtype_fix=_OTHER_X64)
+    return load_mapping(like, _read(path), strict=strict, options=options)
