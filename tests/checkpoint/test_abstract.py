@@ -1,0 +1,112 @@
+"""Every checkpoint path restores into a model built with `eqx.filter_eval_shape` or
+`jax.eval_shape` (an abstract model: `jax.ShapeDtypeStruct`s for arrays, states
+with a structure and no value). The result is a concrete model whose indices hold
+new states with the loaded values; the abstract model is left as it was."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+from tests.helpers import assert_same_state, LinearBatchNorm, ROUND_TRIPS, snapshot
+
+
+BUILDERS = {
+    "eqx.filter_eval_shape": eqx.filter_eval_shape,
+    "jax.eval_shape": jax.eval_shape,
+}
+
+
+def Model(key):
+    return LinearBatchNorm(key, last_dtype=jnp.bfloat16)
+
+
+def _trained(seed=0, steps=2):
+    model = Model(jax.random.key(seed))
+    step = jaxstate.jit(lambda m, x: m(x))
+    for i in range(steps):
+        step(model, jax.random.normal(jax.random.key(10 * seed + i), (8, 3)))
+    return model
+
+
+def _indices(tree):
+    return [
+        x
+        for x in jax.tree.leaves(tree, is_leaf=jaxstate.is_state_index)
+        if isinstance(x, jaxstate.StateIndex)
+    ]
+
+
+@pytest.mark.parametrize("how", ROUND_TRIPS)
+@pytest.mark.parametrize("build", BUILDERS)
+def test_restore_into_an_abstract_model(tmp_path, build, how):
+    trained = _trained()
+    like = BUILDERS[build](Model, jax.random.key(1))
+    assert isinstance(like.linear.weight, jax.ShapeDtypeStruct)
+    assert not any(i.is_set for i in _indices(like))
+    loaded = ROUND_TRIPS[how](trained, like, tmp_path)
+    assert_same_state(loaded, trained)
+    assert isinstance(loaded.linear.weight, jax.Array)
+    # New states; the abstract model is left as it was.
+    assert not any(i.is_set for i in _indices(like))
+    for new, old in zip(_indices(loaded), _indices(like), strict=True):
+        assert new != old
+    # The loaded model steps like the trained one.
+    x = jax.random.normal(jax.random.key(5), (8, 3))
+    step = jaxstate.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(step(loaded, x), step(trained, x), rtol=1e-6)
+    assert_same_state(loaded, trained)
+
+
+def test_abstract_models_from_jax_eval_shape_do_not_share_loaded_state(tmp_path):
+    # `jax.eval_shape` of the same function returns the same states every time (its
+    # trace is cached): loading into them in place would tie the two results.
+    first, second = (jax.eval_shape(Model, jax.random.key(1)) for _ in range(2))
+    assert first.bn.counter == second.bn.counter  # the same state
+    a, b = _trained(0, steps=1), _trained(1, steps=3)
+    jaxstate.save(tmp_path / "a.npz", a)
+    jaxstate.save(tmp_path / "b.npz", b)
+    loaded_a = jaxstate.load(tmp_path / "a.npz", first)
+    loaded_b = jaxstate.load(tmp_path / "b.npz", second)
+    assert_same_state(loaded_a, a)
+    assert_same_state(loaded_b, b)
+
+
+def test_a_shared_state_stays_shared(tmp_path):
+    class Twice(eqx.Module):
+        first: LinearBatchNorm
+        second: LinearBatchNorm
+
+        def __init__(self, key):
+            self.first = self.second = LinearBatchNorm(key, 3, 3, count_calls=False)
+
+    model = Twice(jax.random.key(0))
+    jaxstate.jit(lambda m, x: m.second(m.first(x)))(model, jnp.ones((4, 3)))
+    for how in ROUND_TRIPS:
+        like = eqx.filter_eval_shape(Twice, jax.random.key(1))
+        (tmp_path / how).mkdir()
+        loaded = ROUND_TRIPS[how](model, like, tmp_path / how)
+        assert loaded.first.bn.counter == loaded.second.bn.counter, how
+        assert snapshot(loaded) == snapshot(model), how
+
+
+def test_an_abstract_model_with_a_mismatch_is_refused_and_left_alone(tmp_path):
+    jaxstate.save(tmp_path / "m.npz", LinearBatchNorm(jax.random.key(0), 3, 5))
+    like = eqx.filter_eval_shape(Model, jax.random.key(1))
+    with pytest.raises(ValueError, match="has shape"):
+        jaxstate.load(tmp_path / "m.npz", like, strict=False)
+    assert not any(i.is_set for i in _indices(like))
+
+
+def test_checkpoint_tree_of_an_abstract_model_is_a_restore_target():
+    trained = _trained()
+    for build in BUILDERS.values():
+        target = jaxstate.checkpoint_tree(
+            build(Model, jax.random.key(1)), abstract=True
+        )
+        tree = jaxstate.checkpoint_tree(trained)
+        assert sorted(target) == sorted(tree)
+        for name, leaf in target.items():
+            assert (leaf.shape, leaf.dtype) == (tree[name].shape, tree[name].dtype)
