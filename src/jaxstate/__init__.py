@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from . import nn as nn
+from . import kinds as kinds, nn as nn
 from ._checkpoint._equinox import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,

@@ -1,12 +1,14 @@
 from typing import Any, Generic, TypeVar
 
 import equinox as eqx
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._access import read_stacked, write, write_stacked
 from ._flag import Flag, flag_value, to_flag
-from ._storage import Handle, is_set, Storage
+from ._kinds import check_kind
+from ._storage import Handle, is_set, Storage, with_traits
 
 
 _T = TypeVar("_T")
@@ -52,7 +54,13 @@ class StateIndex(eqx.Module, Generic[_T]):
     inference: bool = eqx.field(converter=to_flag)
 
     def __init__(
-        self, inference: bool = False, *, init: PyTree[ArrayLike] | None = None
+        self,
+        inference: bool = False,
+        *,
+        init: PyTree[ArrayLike] | None = None,
+        kind: str = "state",
+        persistent: bool = True,
+        reset: Any = 0,
     ):
         """**Arguments:**
 
@@ -64,10 +72,25 @@ class StateIndex(eqx.Module, Generic[_T]):
             `set_state(index, init)` straight after construction (so it is allowed in
             inference mode too). Inside `jax.vmap` the state is stored with one slice
             per member.
+        - `kind`: what the state is, for [`jaxstate.summary`][],
+            [`jaxstate.reset`][] and the checkpoint functions' filters: one of
+            `"state"` (the default), `"batch_stats"`, `"cache"`, `"rng"`,
+            `"metric"`, `"ema"`, `"counter"` (also in `jaxstate.kinds`), or a kind
+            of your own declared with `jaxstate.kinds.define`.
+        - `persistent`: if `False`, checkpoints leave the state out (as PyTorch's
+            `register_buffer(..., persistent=False)`), and loads leave it as it is.
+            It still steps under every compiler, and `to_pure` carries it.
+        - `reset`: what [`jaxstate.reset`][] writes: a Python number filling every
+            element of every leaf (the default, 0, gives zeros), `None` to keep
+            the state as it is, or a tuple, list or dict of those matching the
+            top of the state's structure (`(0.0, 1.0)` for a pair of a mean and a
+            variance; `(None, 0)` keeps the first leaf and zeroes the second).
 
         **Raises:**
 
-        As [`jaxstate.set_state`][], for a bad `init`.
+        As [`jaxstate.set_state`][], for a bad `init`; `ValueError` for an unknown
+        `kind` (naming `jaxstate.kinds.define`), `TypeError` for a `reset` that is
+        not made of Python numbers and `None`.
         """
         if not isinstance(inference, (bool, np.bool_, Flag)):
             raise TypeError(
@@ -75,8 +98,11 @@ class StateIndex(eqx.Module, Generic[_T]):
                 f"it got {type(inference).__name__}. Pass an initial value by "
                 "keyword: `StateIndex(init=value)`."
             )
+        check_kind(kind, "StateIndex")
+        check_reset(reset)
         self._handle = Handle.new()
         self.inference = inference
+        with_traits(self._handle.get(), (kind, bool(persistent), reset))
         if init is not None:
             write(self._handle, init, "StateIndex(init=...)")
 
@@ -121,7 +147,12 @@ class StateIndex(eqx.Module, Generic[_T]):
             # Not a bool (an array, a tracer): shown as it is; using the index
             # raises the explanation.
             inference = self.inference
-        return f"StateIndex(inference={inference!r}, {what})"
+        traits = ""
+        if storage is not None and storage.kind != "state":
+            traits += f"kind={storage.kind!r}, "
+        if storage is not None and not storage.persistent:
+            traits += "persistent=False, "
+        return f"StateIndex(inference={inference!r}, {traits}{what})"
 
 
 def with_inference(index: StateIndex, value: bool) -> StateIndex:
@@ -131,6 +162,19 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     object.__setattr__(new, "_handle", index._handle)
     object.__setattr__(new, "inference", Flag(value))
     return new
+
+
+def check_reset(reset: Any) -> None:
+    """Refuses a reset value that is not Python numbers and `None` (see
+    `StateIndex`)."""
+    leaves = jtu.tree_leaves(reset, is_leaf=lambda x: x is None)
+    for leaf in leaves:
+        if leaf is not None and not isinstance(leaf, (bool, int, float, complex)):
+            raise TypeError(
+                "`StateIndex(reset=...)` takes a Python number (every element of "
+                "the state is set to it), `None` (the state is kept), or a tuple, "
+                f"list or dict of those; got a leaf {leaf!r:.60}."
+            )
 
 
 def with_storage(index: StateIndex, storage: Storage) -> StateIndex:

@@ -43,6 +43,9 @@ class Storage:
         "jits",
         "traced",
         "young",
+        "kind",
+        "persistent",
+        "reset",
         "__weakref__",
     )
 
@@ -69,6 +72,12 @@ class Storage:
         self.traced = False
         # Created inside a transform and not yet seen by eager code (see `Key`).
         self.young = not _jax.is_eager()
+        # What the state is (`_kinds.py`), whether checkpoints hold it, and what
+        # `jaxstate.reset` writes: a prefix of its structure, with a fill value
+        # (a Python scalar) or `None` (keep) at each leaf.
+        self.kind = "state"
+        self.persistent = True
+        self.reset: Any = 0
 
     @property
     def signature_id(self) -> int:
@@ -89,6 +98,7 @@ class Storage:
         `refs=None` for a state that has no value yet."""
         self = cls()
         self.real = real
+        self.kind, self.persistent, self.reset = real.kind, real.persistent, real.reset
         if refs is not None:
             k = len(real.batch_shape)
             self.treedef = real.treedef
@@ -106,11 +116,11 @@ class Storage:
     # the storage once).
     def __deepcopy__(self, memo) -> "Storage":
         _check_eager("`copy.deepcopy` of")
-        return _restore(_payload(self))
+        return _restore(_payload(self), traits(self))
 
     def __reduce__(self):
         _check_eager("Pickling")
-        return _restore, (_payload(self),)
+        return _restore, (_payload(self), traits(self))
 
     def describe(self) -> str:
         if self.refs is None:
@@ -180,8 +190,22 @@ def _payload(storage: Storage) -> Any:
     return storage.treedef, storage.member_avals, storage.batch_shape, values
 
 
-def _restore(payload: Any) -> Storage:
-    return Storage() if payload is None else holding(*payload)
+def traits(storage: Storage) -> tuple:
+    """What a state is, apart from its value: its kind, whether it is persistent,
+    its reset value."""
+    return storage.kind, storage.persistent, storage.reset
+
+
+def with_traits(storage: Storage, given: tuple) -> Storage:
+    """`storage`, with the traits `given` (as `traits` gives them)."""
+    storage.kind, storage.persistent, storage.reset = given
+    return storage
+
+
+def _restore(payload: Any, given: tuple = ("state", True, 0)) -> Storage:
+    # (`given` is absent from pickles made before states had traits.)
+    storage = Storage() if payload is None else holding(*payload)
+    return with_traits(storage, given)
 
 
 def holding(treedef, avals, batch_shape, values: list) -> Storage:
@@ -210,7 +234,7 @@ def holding_like(template: Storage, values: list) -> Storage:
     storage.member_avals = template.member_avals
     storage.batch_shape = template.batch_shape
     storage.refs = refs
-    return storage
+    return with_traits(storage, traits(template))
 
 
 class Key:

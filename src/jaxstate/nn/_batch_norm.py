@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._core._flag import flag_value, to_flag
 from .._core._index import StateIndex
+from .._core._kinds import BATCH_STATS
 from .._core._ops import get_state, set_state
 from ._util import (
     at_least_float32,
@@ -70,6 +71,12 @@ class BatchNorm(eqx.Module):
     layer's dtype), and computed in at least float32 whatever the input's dtype;
     the output has the dtype of the input combined with the layer's `dtype`, as
     `equinox.nn.BatchNorm`'s does.
+
+    **State.** The running statistics (`batch_state` and `counter`, or in
+    `mode="ema"` `ema_state` and `first_time`) are of kind `"batch_stats"` and
+    persistent: inference needs them, so checkpoints save them.
+    [`jaxstate.reset`][]`(model, "batch_stats")` sets them back to their start
+    (mean 0, variance 1, count 0), to re-estimate them.
     """
 
     weight: Float[Array, " input_size"] | None
@@ -159,17 +166,24 @@ class BatchNorm(eqx.Module):
         stats_dtype = at_least_float32(dtype)
         zeros = jnp.zeros((input_size,), stats_dtype)
         ones = jnp.ones((input_size,), stats_dtype)
+        # Statistics, saved by checkpoints; `jaxstate.reset` gives the initial ones.
         if mode == "ema":
-            self.first_time = StateIndex(init=jnp.array(True))
+            self.first_time = StateIndex(
+                init=jnp.array(True), kind=BATCH_STATS, reset=True
+            )
             # Variance 1, as the other modes: inference before any training is the
             # identity (Equinox leaves these buffers uninitialised).
-            self.ema_state = StateIndex(init=(zeros, ones))
+            self.ema_state = StateIndex(
+                init=(zeros, ones), kind=BATCH_STATS, reset=(0, 1)
+            )
             self.counter = self.batch_state = None
         else:
             # Mean 0 and variance 1: inference before any training is the
             # identity (up to `eps`). "debiased" replaces them at the first step.
-            self.counter = StateIndex(init=jnp.array(0, jnp.int32))
-            self.batch_state = StateIndex(init=(zeros, ones))
+            self.counter = StateIndex(init=jnp.array(0, jnp.int32), kind=BATCH_STATS)
+            self.batch_state = StateIndex(
+                init=(zeros, ones), kind=BATCH_STATS, reset=(0, 1)
+            )
             self.first_time = self.ema_state = None
         self.inference = inference
         self.axis_name = axis_name

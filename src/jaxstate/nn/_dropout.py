@@ -116,6 +116,9 @@ class Dropout(eqx.Module):
     key folded with the example's index (`lax.axis_index`), and the stream advances
     once per call. **Ensembles**: layers built under
     `eqx.filter_vmap(lambda k: Dropout(p, key=k))(keys)` have one stream each.
+
+    **State.** The stream's (`rng`): of kind `"rng"` and persistent, so that a
+    resumed run draws the masks an uninterrupted one draws.
     """
 
     # Static, like the flag: the step compiled by plain `jax.jit` sees a Python

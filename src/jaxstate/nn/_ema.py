@@ -7,6 +7,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from .._core._index import StateIndex
+from .._core._kinds import EMA as EMA_KIND
 from .._core._ops import get_state, set_state
 from ._util import at_least_float32, read, real_dtype
 
@@ -67,6 +68,12 @@ class EMA(eqx.Module):
     parameter's dtype: in bfloat16, an update that moves the average by
     `1 - decay` of the gap is rounded away entirely for `decay` near 1, and the
     average never moves. This doubles the shadow's memory for such parameters.
+
+    **State.** The average and the step count are of kind `"ema"` and persistent:
+    the average is what the run is for. [`jaxstate.reset`][]`(model, "ema")` sets
+    the step count to zero and, with `bias_correction=True`, the average too (its
+    start); without bias correction the average started from the parameters,
+    which `reset` does not have, so it is kept.
     """
 
     shadow: StateIndex
@@ -108,8 +115,12 @@ class EMA(eqx.Module):
         ]
         # A flat list of arrays, not the model itself: the model's structure may hold
         # other state indices, which have no place in stored state.
-        self.shadow = StateIndex(init=init)
-        self.steps = StateIndex(init=jnp.zeros((), jnp.int32))
+        # Without bias correction the average starts from the parameters, which
+        # `jaxstate.reset` does not have: it keeps the average then.
+        self.shadow = StateIndex(
+            init=init, kind=EMA_KIND, reset=0 if bias_correction else None
+        )
+        self.steps = StateIndex(init=jnp.zeros((), jnp.int32), kind=EMA_KIND)
         self.decay = decay
         self.bias_correction = bias_correction
         self.signature = _describe(paths, leaves)

@@ -8,6 +8,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from .._core._index import StateIndex
+from .._core._kinds import CACHE
 from .._core._ops import get_state, set_state
 from .._core._vmap import only_eager_vmaps, stack_eager
 from ._util import default_float, extra_vmaps, read, writable, write
@@ -55,6 +56,12 @@ class KVCache(eqx.Module):
 
     Inference mode (`jaxstate.tree_inference`) does not freeze the cache: decoding
     is inference.
+
+    **State.** The buffers and the position are of kind `"cache"` and **not
+    persistent**: checkpoints leave them out (a cache is rebuilt by decoding, and
+    would put `max_len` positions in every file), and loads leave them as they
+    are. [`jaxstate.reset`][]`(model, "cache")` empties every cache of a model, as
+    `reset()` does one.
     """
 
     # Two indices, so that `reset` and `length` touch the position only.
@@ -119,13 +126,21 @@ class KVCache(eqx.Module):
         # int32 whatever `jax_enable_x64` says: positions index buffers, and JAX
         # wants every index of one `dynamic_slice` in one dtype.
         length = jnp.zeros((), jnp.int32)
+
+        # Not persistent: a cache is rebuilt by decoding, and saving it would put
+        # `max_len` positions of junk in every checkpoint. `jaxstate.reset` empties
+        # it as `reset()` does: the position goes to zero, the buffers are kept.
+        def make():
+            return (
+                StateIndex(init=buffers, kind=CACHE, persistent=False, reset=None),
+                StateIndex(init=length, kind=CACHE, persistent=False),
+            )
+
         if batch_size is None:
-            self.buffers = StateIndex(init=buffers)
-            self.position = StateIndex(init=length)
+            self.buffers, self.position = make()
         else:
             # State first set under a vmap is stored with one slice per member:
             # here, per sequence.
-            make = lambda: (StateIndex(init=buffers), StateIndex(init=length))
             self.buffers, self.position = eqx.filter_vmap(make, axis_size=batch_size)()
         self.max_len = max_len
         self.num_heads = num_heads

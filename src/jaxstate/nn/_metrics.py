@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, Shaped
 
 from .._core._index import StateIndex
+from .._core._kinds import COUNTER, METRIC
 from .._core._ops import get_state, set_state
 from ._util import (
     AxisName,
@@ -62,6 +63,9 @@ class Counter(eqx.Module):
     the vmap's name: `increment(n, axis_name="batch")` adds the sum of `n` over the
     examples. A counter created under `eqx.filter_vmap` has one count per member.
     Inference mode (`jaxstate.tree_inference`) does not freeze it.
+
+    **State.** The count is of kind `"counter"` and persistent (a resumed run goes
+    on counting); [`jaxstate.reset`][]`(model, "counter")` zeroes every counter.
     """
 
     count: StateIndex
@@ -71,7 +75,7 @@ class Counter(eqx.Module):
 
         - `dtype`: of the count; `int32` by default (it wraps around above 2**31 - 1).
         """
-        self.count = StateIndex(init=jnp.zeros((), dtype))
+        self.count = StateIndex(init=jnp.zeros((), dtype), kind=COUNTER)
 
     def increment(
         self, n: Int[ArrayLike, ""] = 1, *, axis_name: AxisName | None = None
@@ -159,6 +163,11 @@ class Mean(eqx.Module):
 
     With `float32` sums, a mean over more than about 10**7 values loses precision;
     pass `dtype=jnp.float64` (with `jax_enable_x64`) for longer runs.
+
+    **State.** The two sums are of kind `"metric"` and persistent: a run resumed
+    in the middle of an epoch reports the epoch's mean over all of it.
+    [`jaxstate.reset`][]`(model, "metric")` resets every metric of a model at once,
+    as `reset()` does one.
     """
 
     totals: StateIndex
@@ -173,7 +182,7 @@ class Mean(eqx.Module):
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"Mean needs a floating dtype, got {jnp.dtype(dtype)}.")
         zero = jnp.zeros((), dtype)
-        self.totals = StateIndex(init=(zero, zero))
+        self.totals = StateIndex(init=(zero, zero), kind=METRIC)
 
     def update(
         self,
@@ -265,6 +274,8 @@ class Accuracy(eqx.Module):
         print(accuracy.compute())
         accuracy.reset()
         ```
+
+    **State.** A `Mean`'s: of kind `"metric"`, persistent.
     """
 
     mean: Mean

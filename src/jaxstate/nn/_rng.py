@@ -5,6 +5,7 @@ from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
 from .._core._flag import Flag, flag_value, to_flag
 from .._core._index import StateIndex
+from .._core._kinds import RNG
 from .._core._ops import get_state, set_state
 from ._util import (
     axis_index,
@@ -85,6 +86,11 @@ class RNGStream(eqx.Module):
     every example its own key; the counter advances once per call, not per example.
 
     To replay the keys, `reset()` the stream.
+
+    **State.** The key and the two counters are of kind `"rng"` and persistent:
+    a training run resumed from a checkpoint draws exactly the keys (the dropout
+    masks) that an uninterrupted run draws. [`jaxstate.reset`][]`(model, "rng")`
+    replays every stream of a model from its start, as `reset()` does one.
     """
 
     # (key data, training counter), and the inference counter: two indices, so
@@ -119,8 +125,12 @@ class RNGStream(eqx.Module):
         # Stored as plain uint32 data: state holds ordinary arrays, and the counters
         # are uint32 because that is what `fold_in` takes.
         key_data = jax.random.key_data(key)
-        self.state = StateIndex(init=(key_data, jnp.zeros((), jnp.uint32)))
-        self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32))
+        # Persistent: a resumed run draws the keys an uninterrupted one would.
+        # `jaxstate.reset` keeps the key and zeroes the counters, as `reset()`.
+        self.state = StateIndex(
+            init=(key_data, jnp.zeros((), jnp.uint32)), kind=RNG, reset=(None, 0)
+        )
+        self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32), kind=RNG)
         self.inference = inference
 
     def next(

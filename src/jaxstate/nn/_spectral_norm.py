@@ -8,6 +8,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._core._flag import flag_value, to_flag
 from .._core._index import StateIndex
+from .._core._kinds import BATCH_STATS
 from .._core._ops import get_state, set_state
 from ._util import writable
 
@@ -41,6 +42,11 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         y = sn(x)                                # power iteration updated in place
         y = jaxstate.tree_inference(sn, True)(x)  # fixed
         ```
+
+    **State.** The power-iteration vectors are of kind `"batch_stats"` (as in
+    Flax NNX) and persistent: inference uses them, and PyTorch saves them too.
+    [`jaxstate.reset`][] keeps them (they start converged for the weight the layer
+    was built with, which it does not have).
     """
 
     layer: _Layer
@@ -87,7 +93,9 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         for _ in range(15):  # as Equinox: start from converged vectors
             u, v = _power_iteration(weight, u, v, eps)
         self.layer = layer
-        self.uv = StateIndex(init=(u, v))
+        # Statistics of the weight, kept for inference; no reset value (they
+        # start converged for the weight the layer was built with).
+        self.uv = StateIndex(init=(u, v), kind=BATCH_STATS, reset=None)
         self.inference = inference
         self.weight_name = weight_name
         self.num_power_iterations = num_power_iterations
