@@ -9,15 +9,21 @@ from ._checkpoint._equinox import (
     tree_deserialise_leaves as tree_deserialise_leaves,
     tree_serialise_leaves as tree_serialise_leaves,
 )
-from ._checkpoint._npz import load as load, save as save
+from ._checkpoint._npz import (
+    load as load,
+    read_state_dict as read_state_dict,
+    save as save,
+)
 from ._checkpoint._orbax import (
     checkpoint_tree as checkpoint_tree,
     load_checkpoint_tree as load_checkpoint_tree,
 )
+from ._checkpoint._reset import reset as reset
 from ._checkpoint._state_dict import (
     load_state_dict as load_state_dict,
     state_dict as state_dict,
 )
+from ._checkpoint._summary import Summary as Summary, summary as summary
 from ._core import _patches as _patches
 from ._core._index import is_state_index as is_state_index, StateIndex as StateIndex
 from ._core._inference import tree_inference as tree_inference

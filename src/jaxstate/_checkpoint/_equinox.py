@@ -259,10 +259,25 @@ def _subs(storage: Storage) -> list[str]:
     return [jtu.keystr(p) for p in leaf_paths(storage.treedef)]
 
 
+def _skip(f, header: dict) -> None:
+    """Reads past the leaves of the record whose header is `header`."""
+    meta = header.get("state")
+    for _ in meta.get("leaves", ()) if isinstance(meta, dict) else ():
+        if _parse(_load_item(f)) is not None:
+            _load_item(f)  # the data after an array's header
+
+
+# The record of a state made with `persistent=False`, at each of its indices.
+_NOT_SAVED = {"state": None, "persistent": False}
+
+
 def _write_state(writer: _Writer, f, index: StateIndex) -> None:
     storage = index._handle.get()
     sid = storage.id
     number = writer.start(f)
+    if not storage.persistent:
+        _header(f, _NOT_SAVED)
+        return
     first = writer.numbers.get(sid)
     if first is not None:
         _header(f, {"alias": number - first})
@@ -291,6 +306,11 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
             f"{_describe(item)}. It was written without jaxstate's filter spec "
             "(which drops the state), or from a model of another structure"
         )
+    if not storage.persistent:
+        # Left as it is, whatever the file holds (it may be from a time when the
+        # state was saved).
+        _skip(f, header)
+        return index
     if "alias" in header:
         target = number - header["alias"]
         kept = reader.kept[target] if 0 <= target < number else None
@@ -315,6 +335,12 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
     if meta is None or storage.refs is None:
         if meta is None and storage.refs is None:
             return index
+        if header.get("persistent") is False:
+            raise _Corrupt(
+                "the file holds no value for this index's state: it was made with "
+                "`persistent=False` when saved. Load into a model whose state there "
+                "is not persistent either, or save it with `persistent=True`"
+            )
         raise _Corrupt(
             "the file holds no state for this index (it had none when saved)"
             if meta is None
@@ -442,8 +468,10 @@ def tree_serialise_leaves(
         model = jaxstate.tree_deserialise_leaves("model.eqx", Model(key))
         ```
     """
-    check_outside("jaxstate.tree_serialise_leaves")
-    writer = _Writer(walk(pytree, is_leaf=is_leaf).read())
+    fn = "jaxstate.tree_serialise_leaves"
+    check_outside(fn)
+    saved = walk(pytree, is_leaf=is_leaf).select(..., fn, saved=True)
+    writer = _Writer(saved.read())
     spec = _wrap(filter_spec, lambda f, x: _write_state(writer, f, x))
     with _reasons("tree_serialise_leaves"), contextlib.ExitStack() as stack:
         f = path_or_file

@@ -14,12 +14,14 @@ loaded value instead, as the arrays of such a model are replaced by new ones.
 """
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.tree_util as jtu
 
 from .._core._buffers import commit
 from .._core._index import StateIndex, with_storage
+from .._core._kinds import matches
 from .._core._storage import holding_like, is_set, Storage
 from ._values import check_value, place, same
 from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
@@ -82,9 +84,15 @@ class Staged:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """How `load_mapping` was called: for its messages."""
+    """How `load_mapping` was called."""
 
-    fn: str  # the public function, e.g. "load_state_dict"
+    fn: str  # the public function, e.g. "load_state_dict", for messages
+    strict: bool = True
+    filter: Any = ...  # which entries of the tree to load (`_kinds.py`)
+    # Names of the mapping to names of the tree (a dict, or a function returning
+    # a name or `None` to leave the entry out), and a conversion of each value.
+    rename: Mapping[str, str] | Callable[[str], str | None] | None = None
+    convert: Callable[[str, Any], Any] | None = None
     dtype_fix: str | None = None  # see `check_value`
 
 
@@ -103,28 +111,71 @@ _UNSET = (
 )
 
 
-def _for_unset(contents: Contents, names) -> list[str]:
-    """The names among `names` that belong to an index of the tree with no state
-    yet, whose structure is therefore unknown."""
-    unset = [name_of(path) for path in contents.unset]
-    return sorted(
-        n
-        for n in names
-        if any(n == u or n.startswith((u + "[", u + ".")) for u in unset)
-    )
+def _under(name: str, prefixes: list[str]) -> bool:
+    """Whether `name` is one of `prefixes` or a leaf inside one."""
+    return any(name == p or name.startswith((p + "[", p + ".")) for p in prefixes)
+
+
+def _renamed(mapping: Mapping[str, Any], options: Options) -> dict[str, Any]:
+    """`mapping` under the tree's names."""
+    rename, fn = options.rename, options.fn
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            f"{fn}: the mapping must be a dict from names to arrays (as "
+            f"`jaxstate.state_dict` gives), got {type(mapping).__name__}."
+        )
+    out: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name, value in mapping.items():
+        if rename is None:
+            new = name
+        elif isinstance(rename, Mapping):
+            new = rename.get(name, name)
+        else:
+            new = rename(name)
+        if new is None:
+            continue
+        if not isinstance(new, str):
+            raise TypeError(
+                f"{fn}: `rename` gave {new!r} for {name!r}; it must give a name (a "
+                "string), or `None` to leave the entry out."
+            )
+        if new in source:
+            raise ValueError(
+                f"{fn}: `rename` gives the entries {source[new]!r} and {name!r} the "
+                f"same name {new!r}. Rename them to different names, or leave one "
+                "out (a renaming function returns `None` for it). Nothing was loaded."
+            )
+        source[new] = name
+        out[new] = value
+    return out
+
+
+def _names(entry) -> list[str]:
+    """Every name an entry may be given under."""
+    if isinstance(entry, ArrayEntry):
+        return [entry.name]
+    return [n for names in entry.all_names() for n in names]
 
 
 def load_mapping(
     tree: Any,
-    mapping: dict[str, Any],
-    *,
-    strict: bool,
+    mapping: Mapping[str, Any],
     options: Options,
     contents: Contents | None = None,
 ) -> Any:
-    """Loads `mapping` (names to values) into `tree`, as `load_state_dict` does."""
+    """Loads `mapping` (names to values) into `tree`, as `load_state_dict` does.
+    `contents`: what `walk(tree, abstract=True)` found, if already walked."""
     if contents is None:
         contents = walk(tree, abstract=True)
+    contents = contents.select(options.filter, options.fn, saved=True)
+    mapping = _renamed(mapping, options)
+    # The entries of the tree left out (not selected, or not persistent) are known,
+    # and not loaded.
+    ignored = {n for e in contents.left_out for n in _names(e)}
+    mapping = {n: v for n, v in mapping.items() if n not in ignored}
+    if options.convert is not None:
+        mapping = {n: options.convert(n, v) for n, v in mapping.items()}
     arrays = {e.name: e for e in contents.arrays}
     known = set(arrays)
     missing = [name for name in arrays if name not in mapping]
@@ -137,20 +188,29 @@ def load_mapping(
             if not any(n in mapping for n in names):
                 missing.append(names[0])
     unexpected = [name for name in mapping if name not in known]
-    unset = _for_unset(contents, unexpected)
-    if unset:
+    unset = [
+        name_of(path)
+        for path, storage in contents.unset
+        if storage.persistent and matches(options.filter, name_of(path), storage.kind)
+    ]
+    unset_names = sorted(n for n in unexpected if _under(n, unset))
+    if unset_names:
         # Even with `strict=False`: skipping them would drop saved state silently.
-        raise KeyError(_UNSET.format(fn=options.fn, names=unset))
-    if strict and (missing or unexpected):
+        raise KeyError(_UNSET.format(fn=options.fn, names=unset_names))
+    left_alone = [name_of(path) for path, _ in contents.unset]
+    unexpected = [n for n in unexpected if not _under(n, left_alone)]
+    if options.strict and (missing or unexpected):
         raise KeyError(
             f"{options.fn}: missing entries {sorted(missing)}, unexpected entries "
             f"{sorted(unexpected)}. The mapping must come from a model of the same "
-            f"structure; pass `strict=False` to load a subset."
+            "structure; pass `strict=False` to load a subset, or `rename=` to map "
+            "other names to the model's."
         )
-    if not strict and unexpected and len(unexpected) == len(mapping):
+    if not options.strict and mapping and len(unexpected) == len(mapping):
         raise KeyError(
             f"{options.fn}: none of the entries {sorted(unexpected)[:5]} name an "
-            "array or state of this model."
+            "array or state of this model (its names are in "
+            "`jaxstate.state_dict(model)`); pass `rename=` to map them to its names."
         )
     # Check every new value before writing anything.
     staged = Staged()
@@ -183,7 +243,7 @@ def load_mapping(
             staged.state(entry.storage, leaves)
     if partial:
         # Only with `strict=False`: the leaves not given keep their values.
-        current = Contents(list(e for e, _ in partial), []).read()
+        current = Contents([e for e, _ in partial], []).read()
         for entry, leaves in partial:
             now = current[entry.storage.id]
             filled = [n if v is None else v for v, n in zip(leaves, now, strict=True)]

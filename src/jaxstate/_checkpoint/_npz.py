@@ -6,6 +6,7 @@ float8, int4 and keys round-trip exactly."""
 import json
 import pathlib
 import zipfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ _FORMAT = "jaxstate.save"
 _VERSION = 1
 
 
-def save(path: str | pathlib.Path, tree: PyTree) -> None:
+def save(path: str | pathlib.Path, tree: PyTree, filter: Any = ...) -> None:
     """Saves every array of `tree` and all of its state to one file, atomically.
 
     The states are read together, consistently (as [`jaxstate.state_dict`][] reads
@@ -33,12 +34,15 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
     gets the mode the umask allows, as with `open`; an existing file keeps its
     mode. Every dtype round-trips exactly: bfloat16, float8, int4, complex, PRNG
     keys (with their implementation), 0-d and empty arrays. A state reached through
-    several indices is stored once.
+    several indices is stored once; states made with `persistent=False` are left
+    out.
 
     **Arguments:**
 
     - `path`: the file to write (conventionally `.npz`).
     - `tree`: the model, or any PyTree holding models, arrays and optimiser states.
+    - `filter`: which entries to save, by kind (see `jaxstate.kinds`); everything
+        by default.
 
     !!! example
 
@@ -50,7 +54,9 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
     check_outside("jaxstate.save")
     arrays = {}
     keys = {}
-    for name, array in walk(tree).items().items():
+    for name, array in (
+        walk(tree).select(filter, "jaxstate.save", saved=True).items().items()
+    ):
         if isinstance(array, jax.Array) and is_key_dtype(array.dtype):
             keys[name] = key_impl(array.dtype)
         arrays[name] = to_host(array)
@@ -71,17 +77,16 @@ def save(path: str | pathlib.Path, tree: PyTree) -> None:
         np.savez(f, **entries)  # pyright: ignore[reportArgumentType]
 
 
-def _not_ours(path, why: str) -> ValueError:
-    return ValueError(
-        f"`jaxstate.load`: {str(path)!r} is not a checkpoint written by "
-        f"`jaxstate.save`: {why}. Nothing was loaded."
-    )
-
-
-def _read(path: str | pathlib.Path) -> dict[str, Any]:
+def _read(path: str | pathlib.Path, fn: str) -> dict[str, Any]:
     """The entries of a file written by `save`, checked, as NumPy arrays (PRNG keys
-    as key arrays)."""
+    as key arrays); `fn` begins the messages."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+
+    def _not_ours(path, why: str) -> ValueError:
+        return ValueError(
+            f"`{fn}`: {str(path)!r} is not a checkpoint written by "
+            f"`jaxstate.save`: {why}. Nothing was loaded."
+        )
 
     with open(path, "rb") as f:
         magic = f.read(6)
@@ -142,18 +147,58 @@ def _read(path: str | pathlib.Path) -> dict[str, Any]:
     return mapping
 
 
+def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:
+    """The entries of a file written by [`jaxstate.save`][], as a mapping: to look
+    inside a checkpoint, or to load one of another structure (an older version of
+    the model) with [`jaxstate.load_state_dict`][]'s `rename=` and `strict=False`.
+
+    **Arguments:**
+
+    - `path`: the file.
+
+    **Returns:**
+
+    A `dict` from names (as [`jaxstate.state_dict`][] gave them) to NumPy arrays,
+    in the order they were saved; PRNG keys as JAX key arrays.
+
+    **Raises:**
+
+    `ValueError` if the file was not written by `jaxstate.save`.
+
+    !!! example
+
+        ```python
+        saved = jaxstate.read_state_dict("old.npz")
+        model = jaxstate.load_state_dict(
+            Model(key), saved, rename={"head.weight": "classifier.weight"},
+            strict=False,
+        )
+        ```
+    """
+    return _read(path, "jaxstate.read_state_dict")
+
+
 _OTHER_X64 = (
     "Build `like` with {found} there (a file written with another "
     "`jax_enable_x64` setting holds other default dtypes)."
 )
 
 
-def load(path: str | pathlib.Path, like: PyTree, *, strict: bool = True) -> PyTree:
+def load(
+    path: str | pathlib.Path,
+    like: PyTree,
+    *,
+    strict: bool = True,
+    filter: Any = ...,
+    rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
+    convert: Callable[[str, Any], Any] | None = None,
+) -> PyTree:
     """Loads a file written by [`jaxstate.save`][] into a model of the same
     structure.
 
     The whole file is read and checked, then every state is written at once: on
-    any error nothing is changed.
+    any error nothing is changed. States made with `persistent=False` are left as
+    they are.
 
     **Arguments:**
 
@@ -161,9 +206,11 @@ def load(path: str | pathlib.Path, like: PyTree, *, strict: bool = True) -> PyTr
     - `like`: a model of the same structure: freshly built (its state is
         overwritten in place), or built with `eqx.filter_eval_shape` /
         `jax.eval_shape` (no arrays allocated; the result gets new states).
-    - `strict`: as for [`jaxstate.load_state_dict`][]: if `False`, entries of
-        `like` that the file does not hold keep their values, and entries of the
-        file that `like` does not have are left out.
+    - `strict`, `filter`, `rename`, `convert`: as for
+        [`jaxstate.load_state_dict`][]. With `strict=False`, entries of `like`
+        that the file does not hold keep their values, and entries of the file
+        that `like` does not have are left out (a file from an older version of
+        the model).
 
     **Returns:**
 
@@ -178,5 +225,12 @@ def load(path: str | pathlib.Path, like: PyTree, *, strict: bool = True) -> PyTr
     entries, a `ValueError` naming an entry whose shape or dtype differs.
     """
     check_outside("jaxstate.load")
-    options = Options("load", dtype_fix=_OTHER_X64)
-    return load_mapping(like, _read(path), strict=strict, options=options)
+    options = Options(
+        "load",
+        strict=strict,
+        filter=filter,
+        rename=rename,
+        convert=convert,
+        dtype_fix=_OTHER_X64,
+    )
+    return load_mapping(like, _read(path, "jaxstate.load"), options)

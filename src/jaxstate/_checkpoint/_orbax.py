@@ -25,7 +25,7 @@ def _is_empty(x) -> bool:
     return 0 in x.shape
 
 
-def _abstract(tree) -> dict[str, Any]:
+def _abstract(tree, filter: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def add(name, shape, dtype, sharding):
@@ -40,7 +40,8 @@ def _abstract(tree) -> dict[str, Any]:
         else:
             out[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    for entry in walk(tree, abstract=True).entries:
+    contents = walk(tree, abstract=True)
+    for entry in contents.select(filter, _FN, saved=True).entries:
         if isinstance(entry, ArrayEntry):
             leaf = entry.leaf
             add(entry.name, leaf.shape, leaf.dtype, getattr(leaf, "sharding", None))
@@ -50,11 +51,17 @@ def _abstract(tree) -> dict[str, Any]:
     return out
 
 
-def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
+_FN = "jaxstate.checkpoint_tree"
+
+
+def checkpoint_tree(
+    tree: PyTree, *, abstract: bool = False, filter: Any = ...
+) -> dict[str, Any]:
     """Every array and state of `tree` as a plain dict, for Orbax.
 
     The entries of [`jaxstate.state_dict`][] (states read together, consistently;
-    a state reached through several indices once), except that PRNG keys become
+    a state reached through several indices once; states made with
+    `persistent=False` left out), except that PRNG keys become
     `{implementation: key data}` and arrays with no elements are left out: Orbax
     stores neither. Pass the result to `orbax.checkpoint.args.StandardSave`; pass
     `checkpoint_tree(like, abstract=True)` to `StandardRestore` as the target, and
@@ -68,6 +75,8 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
         may then be built with `eqx.filter_eval_shape` or `jax.eval_shape`. Orbax
         restores each array with the sharding given here, so build `tree` with the
         sharding you want (e.g. with [`jaxstate.device_put`][]).
+    - `filter`: which entries, by kind (see `jaxstate.kinds`); everything by
+        default. Restore with the same filter.
 
     **Returns:**
 
@@ -91,10 +100,10 @@ def checkpoint_tree(tree: PyTree, *, abstract: bool = False) -> dict[str, Any]:
         ```
     """
     if abstract:
-        return _abstract(tree)
-    check_outside("jaxstate.checkpoint_tree")
+        return _abstract(tree, filter)
+    check_outside(_FN)
     out: dict[str, Any] = {}
-    for name, array in walk(tree).items().items():
+    for name, array in walk(tree).select(filter, _FN, saved=True).items().items():
         if _is_empty(array):
             continue
         if is_key_dtype(array.dtype):
@@ -112,7 +121,9 @@ def _empty(shape, dtype) -> Any:
     return np.zeros(shape, dtype)
 
 
-def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
+def load_checkpoint_tree(
+    like: PyTree, restored: dict[str, Any], *, filter: Any = ...
+) -> PyTree:
     """Loads what Orbax restored from a [`jaxstate.checkpoint_tree`][] into `like`.
 
     As [`jaxstate.load_state_dict`][] (strict): everything is checked first, then
@@ -124,6 +135,7 @@ def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
         `checkpoint_tree` was the restore target): built as usual, or with
         `eqx.filter_eval_shape` / `jax.eval_shape`.
     - `restored`: the dict Orbax returned.
+    - `filter`: as given to `checkpoint_tree`.
 
     **Returns:**
 
@@ -172,5 +184,5 @@ def load_checkpoint_tree(like: PyTree, restored: dict[str, Any]) -> PyTree:
         for name, shape, dtype in shapes:
             if 0 in shape and name not in mapping:
                 mapping[name] = _empty(shape, dtype)
-    options = Options("load_checkpoint_tree")
-    return load_mapping(like, mapping, strict=True, options=options, contents=contents)
+    options = Options("load_checkpoint_tree", filter=filter)
+    return load_mapping(like, mapping, options, contents)

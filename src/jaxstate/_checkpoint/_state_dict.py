@@ -1,6 +1,7 @@
 """A flat, readable view of a model's arrays and state, like PyTorch's
 `state_dict`: for inspection, checkpoints, and loading statistics from elsewhere."""
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxtyping import Array, PyTree
@@ -10,7 +11,7 @@ from ._load import load_mapping, Options
 from ._walk import walk
 
 
-def state_dict(tree: PyTree) -> dict[str, Array]:
+def state_dict(tree: PyTree, filter: Any = ...) -> dict[str, Array]:
     """Every array of `tree` and every leaf of its state, by key path.
 
     State leaves are named by the path to their `StateIndex` followed by their path
@@ -23,15 +24,24 @@ def state_dict(tree: PyTree) -> dict[str, Array]:
 
     The states are read together, consistently: no `jaxstate.jit` call commits
     between reading one and the next. State values are copies; arrays are the
-    tree's own.
+    tree's own. States made with `persistent=False` (KV caches, say) are left out,
+    as from every checkpoint.
 
     **Arguments:**
 
     - `tree`: any PyTree, typically a model (or `(model, opt_state)`).
+    - `filter`: which entries to give, by kind (see `jaxstate.kinds`): e.g.
+        `"batch_stats"`, `"params"` for the arrays, `("params", "ema")`,
+        `jaxstate.kinds.Not("rng")`. Everything by default.
 
     **Returns:**
 
     A `dict` from names to arrays, in tree order. PRNG key arrays stay key arrays.
+
+    **Raises:**
+
+    `ValueError` for a filter that selects nothing (naming the kinds the tree
+    holds) or names an unknown kind.
 
     !!! example
 
@@ -41,12 +51,20 @@ def state_dict(tree: PyTree) -> dict[str, Array]:
         ```
     """
     check_outside("jaxstate.state_dict")
-    return walk(tree).items()
+    return walk(tree).select(filter, "jaxstate.state_dict", saved=True).items()
 
 
-def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = True):
+def load_state_dict(
+    tree: PyTree,
+    mapping: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    filter: Any = ...,
+    rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
+    convert: Callable[[str, Any], Any] | None = None,
+):
     """Loads arrays and state from a mapping made by [`jaxstate.state_dict`][] (or
-    built by hand, e.g. from another framework's running statistics).
+    built by hand, or read from another framework's checkpoint).
 
     Nothing is changed unless every entry fits: all new values are built and
     checked first, then every state is written at once (all or nothing, also with
@@ -54,7 +72,8 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
 
     A state reached through several indices may be given under its name or under
     any of its aliases (see [`jaxstate.state_dict`][]); names given for the same
-    state must hold the same value.
+    state must hold the same value. States made with `persistent=False` are left as
+    they are, whatever the mapping holds for them.
 
     **Arguments:**
 
@@ -63,10 +82,18 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
     - `mapping`: names (as in `state_dict(tree)`) to array-likes. A PRNG key entry
         takes a key array of the same implementation, or its key data
         (`jax.random.key_data`).
-    - `strict`: if `True`, every name of `state_dict(tree)` must be present (a
-        state under its name or an alias) and no other; if `False`, missing names
-        keep their current values and unknown names are an error only if nothing
-        matches at all.
+    - `strict`: if `True`, every selected name of `state_dict(tree)` must be present
+        (a state under its name or an alias) and no other; if `False`, missing
+        names keep their current values and unknown names are an error only if
+        nothing matches at all.
+    - `filter`: which entries of `tree` to load, by kind (see `jaxstate.kinds`);
+        the mapping's entries for the others are left out. Everything by default.
+    - `rename`: the mapping's names to `tree`'s: a dict (names not in it are
+        kept), or a function of the name returning the new name, or `None` to
+        leave the entry out. Two entries renamed to one name are an error.
+    - `convert`: a function `(name, value) -> value` applied to each entry (under
+        its new name) before it is checked: to transpose a weight, cast a dtype,
+        reshape a bias.
 
     **Returns:**
 
@@ -79,7 +106,9 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
     **Raises:**
 
     `KeyError` for missing or unexpected names; `ValueError` for a shape or dtype
-    mismatch, or for names of one state that disagree, naming the entries.
+    mismatch, for names of one state that disagree, for a renaming that gives two
+    entries one name, or for a filter that selects nothing, naming the entries and
+    the fix.
 
     !!! example
 
@@ -88,6 +117,11 @@ def load_state_dict(tree: PyTree, mapping: dict[str, Any], *, strict: bool = Tru
         ```
     """
     check_outside("jaxstate.load_state_dict")
-    return load_mapping(
-        tree, mapping, strict=strict, options=Options("load_state_dict")
+    options = Options(
+        "load_state_dict",
+        strict=strict,
+        filter=filter,
+        rename=rename,
+        convert=convert,
     )
+    return load_mapping(tree, mapping, options)

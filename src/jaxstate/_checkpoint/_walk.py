@@ -19,6 +19,7 @@ import jax.tree_util as jtu
 
 from .._core._buffers import snapshot
 from .._core._index import StateIndex
+from .._core._kinds import check_filter, matches, PARAMS
 from .._core._storage import is_set, Storage
 
 
@@ -39,6 +40,8 @@ class ArrayEntry:
     name: str
     path: tuple
     leaf: Any
+    kind = PARAMS
+    persistent = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,6 +61,14 @@ class StateEntry:
     @property
     def refs(self) -> tuple:
         return self.storage.refs or ()
+
+    @property
+    def kind(self) -> str:
+        return self.storage.kind
+
+    @property
+    def persistent(self) -> bool:
+        return self.storage.persistent
 
     @property
     def abstract(self) -> bool:
@@ -83,12 +94,14 @@ Entry = ArrayEntry | StateEntry
 
 @dataclasses.dataclass(eq=False)
 class Contents:
-    """What `walk` found: `entries` in the tree's flattening order, and the path of
-    the first index of every state that has no value (or, in an abstract walk, no
-    structure) yet, whose leaves are therefore unknown."""
+    """What `walk` found: `entries` in the tree's flattening order; the path of the
+    first index of every state that has no value (or, in an abstract walk, no
+    structure) yet, whose leaves are therefore unknown, with its storage; and,
+    after `select`, the entries it left out."""
 
     entries: list[Entry]
-    unset: list[tuple]
+    unset: list[tuple[tuple, Storage]]
+    left_out: list[Entry] = dataclasses.field(default_factory=list)
 
     @property
     def arrays(self) -> list[ArrayEntry]:
@@ -98,8 +111,32 @@ class Contents:
     def states(self) -> list[StateEntry]:
         return [e for e in self.entries if isinstance(e, StateEntry)]
 
-    def keep(self, predicate: Callable[[Entry], bool]) -> "Contents":
-        return Contents([e for e in self.entries if predicate(e)], self.unset)
+    def select(self, filter: Any, fn: str, *, saved: bool) -> "Contents":
+        """The entries `filter` selects (see `_kinds.py`); with `saved`, only those
+        that checkpoints hold (not states made with `persistent=False`). A filter
+        other than `...` that selects nothing is an error naming what there is."""
+        check_filter(filter, fn)
+        chosen = [e for e in self.entries if matches(filter, e.name, e.kind)]
+        kept = [e for e in chosen if e.persistent or not saved]
+        if filter is not ... and not kept:
+            if chosen:
+                names = [e.name for e in chosen]
+                raise ValueError(
+                    f"`{fn}`: the filter {filter!r} selects only states that are "
+                    f"not persistent ({names[:5]}), which checkpoints leave out. "
+                    "Look at them with `jaxstate.summary(tree)` or "
+                    "`index.unsafe_get()`; make them with `persistent=True` to save "
+                    "them."
+                )
+            raise ValueError(
+                f"`{fn}`: the filter {filter!r} selects nothing in this tree, "
+                f"which holds {_kinds_held(self.entries)}. Pass a filter that "
+                "selects something (see `jaxstate.kinds`), or leave it out for "
+                "everything."
+            )
+        ids = {id(e) for e in kept}
+        left_out = [e for e in self.entries if id(e) not in ids]
+        return Contents(kept, self.unset, self.left_out + left_out)
 
     def read(self) -> dict[int, list]:
         """The stacked leaves of every state, by storage id: copies, read together
@@ -119,6 +156,11 @@ class Contents:
                 leaves = values[entry.storage.id]
                 out.update(zip(entry.names(), leaves, strict=True))
         return out
+
+
+def _kinds_held(entries: list[Entry]) -> str:
+    kinds = sorted({e.kind for e in entries})
+    return f"entries of the kinds {kinds}" if kinds else "no arrays and no state"
 
 
 def _is_index(x) -> bool:
@@ -145,7 +187,7 @@ def walk(
     """
     entries: list[Entry] = []
     seen: dict[int, StateEntry | None] = {}
-    unset: list[tuple] = []
+    unset: list[tuple[tuple, Storage]] = []
     leaves = jtu.tree_flatten_with_path(tree, is_leaf=with_indices(is_leaf))[0]
     for path, leaf in leaves:
         path = tuple(path)
@@ -159,7 +201,7 @@ def walk(
             usable = storage.refs is not None if abstract else is_set(storage)
             if not usable:
                 seen[storage.id] = None
-                unset.append(path)
+                unset.append((path, storage))
                 continue
             entry = StateEntry(storage, leaf, path, [], leaf_paths(storage.treedef))
             seen[storage.id] = entry

@@ -22,7 +22,7 @@ def states_of(tree) -> dict[str, Storage]:
     contents = walk(tree, abstract=True)
     if contents.unset:
         raise RuntimeError(
-            f"The StateIndex at {jtu.keystr(contents.unset[0])!r} has no state yet; "
+            f"The StateIndex at {jtu.keystr(contents.unset[0][0])!r} has no state yet; "
             "set it before making a pure function."
         )
     return {entry.name: entry.storage for entry in contents.states}
