@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = CNN(
         jax.random.key(args.seed), momentum=args.bn_momentum, dropout=args.dropout
     )
+    # What the model holds: parameters, BatchNorm statistics, the dropout stream.
+    print(jaxstate.summary(model))
     opt_state = adam_init(model)
     # Commit the arrays to the device the compiled step's outputs will live on, so
     # that the second step does not compile again for differently placed inputs.

@@ -65,6 +65,21 @@ def test_demo_prints_summary(train_digits, capsys):
     assert "test accuracy:" in out
     assert "ms per train step:" in out
     assert "bn1 running mean after 11 steps" in out
+    # The model's summary, before training: the statistics, the dropout stream.
+    lines = out.splitlines()
+    assert lines[1].split() == [
+        "name",
+        "kind",
+        "shape",
+        "dtype",
+        "bytes",
+        "sharding",
+        "persistent",
+    ]
+    assert any(
+        line.split()[:2] == ["bn1.batch_state[0]", "batch_stats"] for line in lines
+    )
+    assert any(line.split()[:2] == ["rng", "3"] for line in lines)  # the totals
 
 
 def test_demo_flags(train_digits):

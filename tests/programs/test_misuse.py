@@ -98,6 +98,9 @@ EXPECTED = {
     "load-state-dict-missing",
     "load-state-dict-aliases",
     "load-foreign-file",
+    "unknown-kind",
+    "filter-selects-nothing",
+    "rename-collision",
     # BatchNorm
     "bn-channels",
     "bn-batch-input",
