@@ -40,6 +40,7 @@ from .._core._index import StateIndex, with_storage
 from .._core._storage import holding_like, is_set, Storage
 from ._files import atomic_write
 from ._load import Staged
+from ._reset import reset_value
 from ._values import check_value, is_key_dtype, key_impl, place, to_host
 from ._walk import leaf_paths, walk, with_indices
 
@@ -118,7 +119,7 @@ def _describe(item: np.ndarray) -> str:
     if "array" in header:
         meta = header["array"]
         kind = f"key<{meta['key']}>" if "key" in meta else meta["dtype"]
-        return f"an array of {kind}{meta['shape']}"
+        return f"an array of {aval_text(meta['shape'], kind)}"
     if header.get("state") is None and "state" in header:
         return "the record of an index without state"
     return "the record of a state"
@@ -308,9 +309,15 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
         )
     if not storage.persistent:
         # Left as it is, whatever the file holds (it may be from a time when the
-        # state was saved).
+        # state was saved); in an abstract `like`, where it has no value, a new
+        # state starts from its reset value (see `_load.py`).
         _skip(f, header)
-        return index
+        if reader.staged is not None or storage.refs is None or is_set(storage):
+            return index
+        (start,) = snapshot([storage])
+        value = jtu.tree_unflatten(storage.treedef, start)
+        value = reset_value(storage, jtu.keystr(()), value)
+        return with_storage(index, holding_like(storage, jtu.tree_leaves(value)))
     if "alias" in header:
         target = number - header["alias"]
         kept = reader.kept[target] if 0 <= target < number else None
@@ -533,7 +540,7 @@ def tree_deserialise_leaves(
             _check_format(f)
         out = eqx.tree_deserialise_leaves(f, like, spec, with_indices(is_leaf))
     # Everything was read and Equinox's checks passed: now write every state.
-    return staged.apply(out, is_leaf)
+    return staged.apply(out, "jaxstate.tree_deserialise_leaves", is_leaf)
 
 
 def _check_format(f) -> None:

@@ -10,19 +10,24 @@ A state of `like` that has a structure but no value (every state of a model buil
 with `eqx.filter_eval_shape` or `jax.eval_shape`) is not written: such states were
 created when the abstract trace ran, and `jax.eval_shape` of the same function
 returns the same ones every time. The loaded tree gets a new state holding the
-loaded value instead, as the arrays of such a model are replaced by new ones.
+loaded value instead, as the arrays of such a model are replaced by new ones; a
+state that checkpoints leave out (not persistent) gets a new state holding its
+reset value. Every other entry of such a tree must be loaded: it has no value to
+keep.
 """
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.tree_util as jtu
 
 from .._core._buffers import commit
 from .._core._index import StateIndex, with_storage
 from .._core._kinds import matches
 from .._core._storage import holding_like, is_set, Storage
+from ._reset import reset_value
 from ._values import check_value, place, same
 from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
 
@@ -52,9 +57,34 @@ class Staged:
         placed = [for_state(v, r) for v, r in zip(leaves, refs, strict=True)]
         self.states[storage.id] = (storage, placed)
 
-    def apply(self, tree: Any, is_leaf=None) -> Any:
+    def apply(self, tree: Any, fn: str, is_leaf=None) -> Any:
         """Writes every staged state (all at once), and returns `tree` with the
-        staged arrays, and new states for the abstract ones (see above)."""
+        staged arrays, and new states for the abstract ones (see above). `fn`
+        begins the messages."""
+        contents = walk(tree, abstract=True, is_leaf=is_leaf)
+        # An abstract tree's arrays and states have no value: those not loaded
+        # would have none. The states checkpoints leave out start from their reset
+        # values (zeros where they keep a leaf).
+        unloaded = [
+            e.name
+            for e in contents.arrays
+            if isinstance(e.leaf, jax.ShapeDtypeStruct) and e.name not in self.arrays
+        ]
+        starting = []
+        for entry in contents.states:
+            if entry.storage.id in self.states or not entry.abstract:
+                continue
+            if entry.persistent:
+                unloaded.extend(entry.names())
+            else:
+                starting.append(entry)
+        if unloaded:
+            raise KeyError(_ABSTRACT.format(fn=fn, names=unloaded[:5]))
+        starts = Contents(list(starting), []).read()
+        for entry in starting:
+            value = jtu.tree_unflatten(entry.storage.treedef, starts[entry.storage.id])
+            value = reset_value(entry.storage, entry.name, value)
+            self.state(entry.storage, jtu.tree_leaves(value))
         in_place, fresh = [], {}
         for sid, (storage, leaves) in self.states.items():
             if is_set(storage):
@@ -75,6 +105,14 @@ class Staged:
             else:
                 out.append(self.arrays.get(name_of(path), leaf))
         return jtu.tree_unflatten(treedef, out)
+
+
+_ABSTRACT = (
+    "{fn}: `like` was built abstractly (with `eqx.filter_eval_shape` or "
+    "`jax.eval_shape`), so its entries {names} have no value to keep, and this "
+    "load gives them none. Load them too (`strict=True`, no `filter`), or build "
+    "`like` with values. Nothing was loaded."
+)
 
 
 #
@@ -248,4 +286,4 @@ def load_mapping(
             now = current[entry.storage.id]
             filled = [n if v is None else v for v, n in zip(leaves, now, strict=True)]
             staged.state(entry.storage, filled)
-    return staged.apply(tree)
+    return staged.apply(tree, options.fn)

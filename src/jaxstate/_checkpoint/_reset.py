@@ -13,17 +13,17 @@ from .._core._kinds import check_filter
 from .._core._storage import Storage
 from ..nn._util import read, write
 from ._values import is_key_dtype
-from ._walk import Contents, StateEntry, walk
+from ._walk import Contents, walk
 
 
 def _keep_all(spec: Any) -> bool:
     return all(x is None for x in jtu.tree_leaves(spec, is_leaf=lambda x: x is None))
 
 
-def _reset_value(entry: StateEntry, value: Any) -> Any:
-    """`value` (the state, any batch axes in front) with the state's reset value
-    written where its `reset=` gives a number."""
-    spec = entry.storage.reset
+def reset_value(storage: Storage, name: str, value: Any) -> Any:
+    """`value` (the state of `storage`, named `name`, any batch axes in front) with
+    the state's reset value written where its `reset=` gives a number."""
+    spec = storage.reset
 
     def fill(number, subtree):
         if number is None:
@@ -32,7 +32,7 @@ def _reset_value(entry: StateEntry, value: Any) -> Any:
         def leaf(x):
             if is_key_dtype(x.dtype):
                 raise ValueError(
-                    f"`jaxstate.reset`: the state at {entry.name!r} holds PRNG keys, "
+                    f"`jaxstate.reset`: the state at {name!r} holds PRNG keys, "
                     f"which cannot be set to {number!r}. Give its index `reset=None` "
                     "there (e.g. `reset=(None, 0)`) to keep them."
                 )
@@ -46,11 +46,10 @@ def _reset_value(entry: StateEntry, value: Any) -> Any:
         if "jaxstate.reset" in str(e):
             raise
         raise ValueError(
-            f"`jaxstate.reset`: the reset value {spec!r} of the state at "
-            f"{entry.name!r} does not fit its structure "
-            f"{entry.storage.treedef}. Give its index a `reset=` that is a number, "
-            "`None`, or a tuple, list or dict of those matching the top of the "
-            "state."
+            f"`jaxstate.reset`: the reset value {spec!r} of the state at {name!r} "
+            f"does not fit its structure {storage.treedef}. Give its index a "
+            "`reset=` that is a number, `None`, or a tuple, list or dict of those "
+            "matching the top of the state."
         ) from None
 
 
@@ -101,7 +100,7 @@ def reset(tree: PyTree, filter: Any) -> None:
     if not _jax.is_eager():
         # Inside a trace: each state through `get_state`/`set_state`, as seen by
         # this call (a failed trace runs nothing, so it changes nothing).
-        new = [(e, _reset_value(e, read(e.index))) for e in states]
+        new = [(e, reset_value(e.storage, e.name, read(e.index))) for e in states]
         for entry, value in new:
             write(entry.index, value)
         return
@@ -110,5 +109,6 @@ def reset(tree: PyTree, filter: Any) -> None:
     items: list[tuple[Storage, list]] = []
     for entry in states:
         value = jtu.tree_unflatten(entry.storage.treedef, values[entry.storage.id])
-        items.append((entry.storage, jtu.tree_leaves(_reset_value(entry, value))))
+        value = reset_value(entry.storage, entry.name, value)
+        items.append((entry.storage, jtu.tree_leaves(value)))
     commit(items)
