@@ -72,6 +72,9 @@ def test_checkpoints_leave_the_cache_out(tmp_path):
     markers = [str(i) for i in items if "persistent" in str(i)]
     assert markers == ['{"jaxstate":1,"state":null,"persistent":false}'] * 2
     assert not any(i.shape == (6, 2, 4) for i in items)  # no cache buffer
+    # Asked for by kind, it is an error that says why there is nothing.
+    with pytest.raises(ValueError, match="selects only states that are not persistent"):
+        jaxstate.state_dict(model, "cache")
     # `to_pure` carries it: a pure function needs all of its state.
     _, state = jaxstate.to_pure(lambda: None, model)
     assert {"attn.cache.buffers", "attn.cache.position"} <= set(state)

@@ -386,8 +386,9 @@ def serialise_filter_spec(f: Any, x: Any) -> None:
     it an index, and the state is silently left out), or simply call
     [`jaxstate.tree_serialise_leaves`][], which passes both. At an index it writes
     the index's state (once per state: a later index of the same state writes a
-    reference to it); arrays are written as Equinox writes them, and bfloat16,
-    float8, int4 and PRNG key arrays as raw data with their dtype.
+    reference to it; a state made with `persistent=False` is not written, only
+    marked); arrays are written as Equinox writes them, and bfloat16, float8, int4
+    and PRNG key arrays as raw data with their dtype.
 
     !!! example
 
@@ -450,7 +451,8 @@ def tree_serialise_leaves(
     `filter_spec=jaxstate.serialise_filter_spec, is_leaf=jaxstate.is_state_index`
     (which it does for you), plus: all states are read together, consistently, and
     a path is written atomically (to a temporary file renamed over it; a new file
-    gets the mode the umask allows, an existing one keeps its mode). Plain
+    gets the mode the umask allows, an existing one keeps its mode). States made
+    with `persistent=False` are left out, as from every checkpoint. Plain
     `eqx.tree_serialise_leaves(path, model)` cannot see state, since an index has
     no leaves, and silently leaves it out.
 
@@ -499,6 +501,7 @@ def tree_deserialise_leaves(
 
     Everything is read and checked first; then every state of `like` is written at
     once, in place (as [`jaxstate.load`][] does). On any error, nothing is changed.
+    States made with `persistent=False` are left as they are.
 
     **Arguments:**
 
