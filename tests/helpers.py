@@ -143,6 +143,24 @@ class LinearBatchNorm(eqx.Module):
         return jax.vmap(lambda v: self.bn(self.linear(v)), axis_name="batch")(x)
 
 
+class Decoder(eqx.Module):
+    """`LinearBatchNorm` of 8 features, then `CachedSelfAttention` (2 heads, 6
+    positions) decoding its input: a model with statistics, which checkpoints
+    save, and a KV cache, which they leave out (`persistent=False`)."""
+
+    norm: LinearBatchNorm
+    attn: jaxstate.nn.CachedSelfAttention
+
+    def __init__(self, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.norm = LinearBatchNorm(k1, 8, 8)
+        mha = eqx.nn.MultiheadAttention(2, 8, key=k2)
+        self.attn = jaxstate.nn.CachedSelfAttention(mha, max_len=6)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.attn(self.norm(x), use_cache=True)
+
+
 #
 # Checkpoints out and back in.
 #

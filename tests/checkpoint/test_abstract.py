@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 import jaxstate
-from tests.helpers import assert_same_state, LinearBatchNorm, ROUND_TRIPS, snapshot
+from tests.helpers import (
+    assert_same_state,
+    Decoder,
+    LinearBatchNorm,
+    ROUND_TRIPS,
+    snapshot,
+)
 
 
 BUILDERS = {
@@ -110,20 +116,6 @@ def test_checkpoint_tree_of_an_abstract_model_is_a_restore_target():
         assert sorted(target) == sorted(tree)
         for name, leaf in target.items():
             assert (leaf.shape, leaf.dtype) == (tree[name].shape, tree[name].dtype)
-
-
-class Decoder(eqx.Module):
-    norm: LinearBatchNorm
-    attn: jaxstate.nn.CachedSelfAttention
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = LinearBatchNorm(k1, 8, 8)
-        mha = eqx.nn.MultiheadAttention(2, 8, key=k2)
-        self.attn = jaxstate.nn.CachedSelfAttention(mha, max_len=6)
-
-    def __call__(self, x):
-        return self.attn(self.norm(x), use_cache=True)
 
 
 @pytest.mark.parametrize("how", ROUND_TRIPS)

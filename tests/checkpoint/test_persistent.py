@@ -15,29 +15,13 @@ import pytest
 import jaxstate
 from tests.helpers import (
     assert_unchanged,
+    Decoder,
     IN_PLACE,
-    LinearBatchNorm,
     load_with_equinox,
     ROUND_TRIPS,
     save_with_equinox,
     snapshot,
 )
-
-
-class Decoder(eqx.Module):
-    """A layer with statistics (persistent) and a cache (not)."""
-
-    norm: LinearBatchNorm
-    attn: jaxstate.nn.CachedSelfAttention
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.norm = LinearBatchNorm(k1, 8, 8)
-        mha = eqx.nn.MultiheadAttention(2, 8, key=k2)
-        self.attn = jaxstate.nn.CachedSelfAttention(mha, max_len=6)
-
-    def __call__(self, x):
-        return self.attn(self.norm(x), use_cache=True)
 
 
 def _run(model, seed, n=3):
