@@ -132,6 +132,11 @@ class Options:
     rename: Mapping[str, str] | Callable[[str], str | None] | None = None
     convert: Callable[[str, Any], Any] | None = None
     dtype_fix: str | None = None  # see `check_value`
+    # The fix for names that differ, naming the options the function takes.
+    names_fix: str = (
+        "pass `strict=False` to load a subset, or `rename=` to map other names to "
+        "the model's."
+    )
 
 
 def check_entry(name: str, value: Any, shape: tuple, dtype: Any, options: Options):
@@ -241,8 +246,7 @@ def load_mapping(
         raise KeyError(
             f"{options.fn}: missing entries {sorted(missing)}, unexpected entries "
             f"{sorted(unexpected)}. The mapping must come from a model of the same "
-            "structure; pass `strict=False` to load a subset, or `rename=` to map "
-            "other names to the model's."
+            f"structure; {options.names_fix}"
         )
     if not options.strict and mapping and len(unexpected) == len(mapping):
         raise KeyError(

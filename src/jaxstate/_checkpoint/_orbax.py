@@ -184,5 +184,10 @@ def load_checkpoint_tree(
         for name, shape, dtype in shapes:
             if 0 in shape and name not in mapping:
                 mapping[name] = _empty(shape, dtype)
-    options = Options("load_checkpoint_tree", filter=filter)
+    options = Options(
+        "load_checkpoint_tree",
+        filter=filter,
+        names_fix="restore it with `checkpoint_tree(like, abstract=True)` as the "
+        "target (and the same `filter`).",
+    )
     return load_mapping(like, mapping, options, contents)

@@ -1,5 +1,6 @@
 """The arrays and distinct states of a tree, by name: what every checkpoint format,
-`to_pure` and `shard_map` see of a tree.
+`to_pure`, `shard_map`, `summary` and `reset` see of a tree, and its selection by
+kind (`Contents.select`).
 
 Every array leaf is named by its key path, like PyTorch's `state_dict`
 (`"linear.weight"`). A state leaf is named by the path of its index followed by its

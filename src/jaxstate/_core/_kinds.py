@@ -98,7 +98,7 @@ class Not:
 
 def check_filter(filter: Any, fn: str) -> None:
     """Refuses a filter outside the vocabulary, or naming an unknown kind."""
-    if filter is ... or callable(filter) and not isinstance(filter, Not):
+    if filter is ... or callable(filter):
         return
     if isinstance(filter, Not):
         check_filter(filter.filter, fn)
