@@ -167,7 +167,7 @@ class Decoder(eqx.Module):
 
 
 def save_with_equinox(file, tree) -> None:
-    """Equinox's own writer with jaxstate's filter spec (the README's recipe)."""
+    """Equinox's writer with jaxstate's filter spec (docs/checkpoints.md)."""
     eqx.tree_serialise_leaves(
         file,
         tree,

@@ -1,6 +1,6 @@
 """jaxstate: mutable state for JAX and Equinox, kept on the device."""
 
-import importlib.metadata
+from importlib import metadata as _metadata
 
 from . import kinds as kinds, nn as nn
 from ._checkpoint._equinox import (
@@ -35,4 +35,4 @@ from ._pure._pure import from_pure as from_pure, to_pure as to_pure
 from ._pure._shard_map import device_put as device_put, shard_map as shard_map
 
 
-__version__ = importlib.metadata.version("jaxstate")
+__version__ = _metadata.version("jaxstate")

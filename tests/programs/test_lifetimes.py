@@ -244,3 +244,23 @@ def test_a_model_built_inside_a_transform_survives_it():
     ensemble = eqx.filter_vmap(lambda _: Ordinary())(jnp.arange(3))
     _collect()
     assert ensemble.index.unsafe_get().shape == (3, 2)
+
+
+def test_an_index_without_a_value_built_inside_a_transform_survives_it():
+    # Its only owner is the tree structure the transform returns (nothing was set,
+    # so no program holds it): the first unflatten outside must keep it.
+    class Lazy(eqx.Module):
+        weight: jax.Array
+        index: jaxstate.StateIndex
+
+        def __init__(self, key):
+            self.weight = jax.random.normal(key, (3,))
+            self.index = jaxstate.StateIndex()
+
+    for model in [
+        jax.eval_shape(Lazy, jax.random.key(0)),
+        eqx.filter_vmap(Lazy)(jax.random.split(jax.random.key(0), 2)),
+    ]:
+        assert not model.index.is_set
+        jaxstate.set_state(model.index, jnp.zeros(2))
+        assert model.index.is_set

@@ -243,28 +243,25 @@ class Key:
     Made afresh by every flatten, and usually weak: the tree it was made from is
     alive while it is used, and JAX's and Equinox's caches keep these keys long
     after (keyed on argument structure). A storage created inside a transform (a
-    model built inside `eqx.filter_vmap`) leaves it only as tree structure, the
-    objects created inside being dropped before the output is rebuilt outside: its
-    keys hold it strongly until their first unflatten, while it is young (until eager
-    code first rebuilds an index of it).
+    model built inside `eqx.filter_vmap` or a jitted function) leaves it only as
+    tree structure, the objects created inside being dropped before the output is
+    rebuilt outside (JAX may rebuild and drop it more than once on the way): keys
+    made while it is young (until eager code first rebuilds an index of it) hold it
+    strongly, as do those of a state first set inside a trace, which the program
+    owns.
     """
 
-    __slots__ = ("id", "strong", "weak", "keep")
+    __slots__ = ("id", "strong", "weak")
 
     def __init__(self, storage: Storage):
         self.id = storage.id
         self.weak = storage.weak
-        # A state first set inside a traced function lives as long as that
-        # function's cached program, which returns it again on every call.
-        self.keep = storage.traced
         # (Stand-ins live only while their trace runs.)
         young = storage.young and storage.real is None
-        self.strong: Storage | None = storage if self.keep or young else None
+        self.strong: Storage | None = storage if storage.traced or young else None
 
-    def take(self) -> Storage | None:
-        if not self.keep:
-            self.strong = None
-        return self.weak()
+    def get(self) -> Storage | None:
+        return self.strong or self.weak()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Key) and other.id == self.id
@@ -287,9 +284,7 @@ class Handle:
 
     @classmethod
     def of(cls, storage: Storage) -> "Handle":
-        key = Key(storage)
-        key.take()
-        return cls(key, storage)
+        return cls(Key(storage), storage)
 
     @classmethod
     def new(cls) -> "Handle":
@@ -327,7 +322,7 @@ def _flatten(handle: Handle):
 
 
 def _unflatten(key: Key, _) -> Handle:
-    storage = key.take()
+    storage = key.get()
     if storage is not None and storage.young and _jax.is_eager():
         storage.young = False
     return Handle(key, storage)
