@@ -17,9 +17,9 @@ from ._buffers import commit, snapshot
 from ._checks import array_leaves, check_fits
 from ._context import check_not_passed_in, resolve
 from ._create import create
-from ._local import at_top, LocalRef
+from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
-from ._storage import describe_unset, Handle, is_set, Storage
+from ._storage import describe_unset, Handle, is_set, Key, Storage
 from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
 
 
@@ -41,6 +41,16 @@ _IN_WHILE_COND = (
 )
 
 
+_PLAIN_SCAN = (
+    "`{fn}` reached a state stacked along a leading axis of size {size} (layers "
+    "built with `eqx.filter_vmap`) through the `xs` of a `lax.scan` (or "
+    "`lax.map`). The scan slices the layers' arrays but not their state, so every "
+    "iteration would read and write every layer's state. Use `jaxstate.scan` (the "
+    "same signature as `lax.scan`), which hands each iteration its own layer's "
+    "state. See docs/deep-models.md."
+)
+
+
 def _not_set(storage: Storage) -> RuntimeError:
     return RuntimeError(
         "Cannot get state before it has been set: call "
@@ -50,7 +60,7 @@ def _not_set(storage: Storage) -> RuntimeError:
     )
 
 
-def _check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
+def check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
     """Checks a read or write through the state's references; returns what the
     enclosing traces were made for."""
     enclosing = traced_for()
@@ -64,13 +74,30 @@ def _check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
     return enclosing
 
 
+def check_not_scanned(handle: Handle, storage: Storage, fn: str) -> None:
+    """Refuses a stacked state reached through the `xs` of a plain `lax.scan` whose
+    body is being traced (or run, under `jax.disable_jit`). `jaxstate.scan` keeps
+    the indices out of the `xs` it gives `lax.scan`."""
+    if not storage.batch_shape:
+        return
+    # By the state, not the index: inside the body the layer may have been
+    # flattened and rebuilt (`eqx.combine(params, static)`), with new keys.
+    target = handle.get().id
+    for aux in _jax.scanned_aux():
+        if type(aux) is Key and aux.id == target:
+            raise RuntimeError(_PLAIN_SCAN.format(fn=fn, size=storage.batch_shape[0]))
+
+
 def _in_layout(value, ref):
     # A state keeps its sharding (docs/scaling.md). Under an `Explicit` mesh the
     # sharding is part of the type, and a value of another one (say replicated
     # `jnp.zeros`) would be refused by JAX's reference, or change the layout of a
     # `jaxstate.jit` output: move it to the state's layout instead, as an eager
     # write does.
-    stored = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
+    if isinstance(ref, (LocalRef, SliceRef)):
+        stored = ref.aval
+    else:
+        stored = _jax.typeof(ref).inner_aval
     sharding = stored.sharding
     if _jax.is_explicit(sharding) and _jax.typeof(value).sharding != sharding:
         return jax.sharding.reshard(value, sharding)
@@ -86,6 +113,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         return
     check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
     assert storage.refs is not None
+    check_not_scanned(handle, storage, fn)
     check_vmaps(storage.batch_shape, fn)
     if _jax.is_eager():
         commit([(storage, leaves)])
@@ -94,7 +122,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
         values = [jnp.asarray(leaf) for leaf in leaves]
     else:
-        _check_traced(handle, storage, fn)
+        check_traced(handle, storage, fn)
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -118,13 +146,14 @@ def read(handle: Handle, like: Any, fn: str) -> Any:
     if like is not None:
         like_leaves, treedef = array_leaves(like, fn, "like")
         check_fits(storage, like_leaves, treedef, f"`like` passed to `{fn}`")
+    check_not_scanned(handle, storage, fn)
     check_vmaps(storage.batch_shape, fn)
     if _jax.is_eager():
         (values,) = snapshot([storage])
         return jtu.tree_unflatten(storage.treedef, values)
     if at_top(storage):
         return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
-    if "while_cond" in _check_traced(handle, storage, fn):
+    if "while_cond" in check_traced(handle, storage, fn):
         raise RuntimeError(_IN_WHILE_COND)
     likes = like_leaves or [None] * len(storage.refs)
     out = [

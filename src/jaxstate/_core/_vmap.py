@@ -119,7 +119,7 @@ def _check_levels(n_state: int, batch_shape, fn: str) -> None:
 #
 
 
-def _respec(aval, shape: tuple[int, ...], drop: int, add: int):
+def respec(aval, shape: tuple[int, ...], drop: int, add: int):
     """`aval` with `shape`: `drop` leading axes gone, `add` unsharded ones in front.
 
     The sharding goes along (under an `Explicit` mesh it is part of the type):
@@ -133,7 +133,7 @@ def _respec(aval, shape: tuple[int, ...], drop: int, add: int):
 
 def _read_abstract_eval(full, *like, batch_shape, n_state):
     k = len(batch_shape) - n_state
-    return _respec(full, full.shape[k:], k, 0)
+    return respec(full, full.shape[k:], k, 0)
 
 
 def _read_impl(full, *like, batch_shape, n_state):
@@ -187,7 +187,7 @@ def read(value, like, batch_shape: tuple[int, ...]):
 def _write_abstract_eval(value, *, batch_shape, levels):
     n_batched = sum(batched for _, batched in levels)
     shape = tuple(batch_shape) + value.shape[n_batched:]
-    return _respec(value, shape, n_batched, len(batch_shape))
+    return respec(value, shape, n_batched, len(batch_shape))
 
 
 def _write_impl(value, *, batch_shape, levels):

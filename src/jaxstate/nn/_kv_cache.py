@@ -10,7 +10,8 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from .._core._index import StateIndex
 from .._core._kinds import CACHE
 from .._core._ops import get_state, set_state
-from .._core._vmap import only_eager_vmaps, stack_eager
+from .._core._context import resolve
+from .._core._vmap import only_eager_vmaps, stack_eager, vmap_sizes
 from ._util import default_float, extra_vmaps, read, writable, write
 
 
@@ -309,19 +310,36 @@ class KVCache(eqx.Module):
         then created when the function is traced: every call of that compiled
         function uses the same state, starting empty each time.
 
+        The caches of layers stacked by `eqx.filter_vmap` (one per layer, for
+        [`jaxstate.scan`][]) stay stacked: the new one has one cache per layer
+        too, the layer axis first.
+
         **Raises:**
 
         `ValueError` for a size that is not a positive int.
         """
-        return KVCache(
-            self.max_len if max_len is None else max_len,
-            self.num_heads,
-            self.key_size,
-            self.value_size,
-            batch_size=batch_size,
-            dtype=self.dtype,
-            on_overflow=self.on_overflow,
-        )
+
+        def make() -> KVCache:
+            return KVCache(
+                self.max_len if max_len is None else max_len,
+                self.num_heads,
+                self.key_size,
+                self.value_size,
+                batch_size=batch_size,
+                dtype=self.dtype,
+                on_overflow=self.on_overflow,
+            )
+
+        for size in reversed(self._layer_axes()):
+            make = eqx.filter_vmap(make, axis_size=size)
+        return make()
+
+    def _layer_axes(self) -> tuple[int, ...]:
+        """The batch axes of this cache's state in front of its own `batch_size`
+        one, that no vmap around this call takes: those of a stack of layers."""
+        batch_shape = resolve(self.position._handle).batch_shape
+        own = 0 if self.batch_size is None else 1
+        return tuple(batch_shape[len(vmap_sizes()) : len(batch_shape) - own])
 
     @staticmethod
     def resize_all(
