@@ -44,12 +44,14 @@ def vmaps_known() -> bool:
     return outermost is None or _jax.traced_for(outermost) not in _CUT
 
 
-# Flax NNX's "scan over layers" ported: layers made by one vmap, run by a scan. The
-# scan slices the layers' arrays but not their state, which has no leaves.
+# Layers made by one vmap, run one after another: their state has the layers' axis,
+# which only `jaxstate.scan` hands out one slice per iteration. (A plain `lax.scan`
+# over them is refused by `_access.check_not_scanned`; this is for the other ways
+# of reaching them, such as slicing the layers by hand in a loop.)
 _SCAN_OVER_LAYERS = (
-    " If these are layers stacked with `eqx.filter_vmap` and run one after another "
-    "with `lax.scan`: a scan cannot hand each iteration its layer's state. Build "
-    "the layers one by one and loop over them in Python (docs/design.md, 'vmap')."
+    " If these are layers stacked with `eqx.filter_vmap` and run one after another, "
+    "run them with `jaxstate.scan` (as `lax.scan`, with the layers in `xs`), which "
+    "hands each iteration its own layer's state (docs/deep-models.md)."
 )
 
 

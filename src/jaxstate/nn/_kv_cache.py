@@ -7,10 +7,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from .._core._context import resolve
 from .._core._index import StateIndex
 from .._core._kinds import CACHE
 from .._core._ops import get_state, set_state
-from .._core._context import resolve
 from .._core._vmap import only_eager_vmaps, stack_eager, vmap_sizes
 from ._util import default_float, extra_vmaps, read, writable, write
 
