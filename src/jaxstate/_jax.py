@@ -23,7 +23,7 @@ from jax._src import config as _config, core as _core
 from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
 from jax._src.shard_map import ShardMapTrace as _ShardMapTrace
-from jax._src.state import primitives as _state_primitives
+from jax._src.state import indexing as _indexing, primitives as _state_primitives
 from jax._src.state.types import (
     AbstractRef as _AbstractRef,
     ReadEffect as _ReadEffect,
@@ -223,6 +223,12 @@ def replace_buffer(ref: Any, buf: Any) -> None:
 
 def is_abstract_ref(aval: Any) -> bool:
     return isinstance(aval, _AbstractRef)
+
+
+def dynamic_slice(start: Any, size: int) -> Any:
+    """An index for `ref[...]`: `size` entries from the traced `start` (a reference
+    write through it is a dynamic-update-slice, in place)."""
+    return _indexing.ds(start, size)
 
 
 #

@@ -94,11 +94,7 @@ def _in_layout(value, ref):
     # `jnp.zeros`) would be refused by JAX's reference, or change the layout of a
     # `jaxstate.jit` output: move it to the state's layout instead, as an eager
     # write does.
-    if isinstance(ref, (LocalRef, SliceRef)):
-        stored = ref.aval
-    else:
-        stored = _jax.typeof(ref).inner_aval
-    sharding = stored.sharding
+    sharding = _stored_aval(ref).sharding
     if _jax.is_explicit(sharding) and _jax.typeof(value).sharding != sharding:
         return jax.sharding.reshard(value, sharding)
     return value
@@ -133,6 +129,64 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         ref[...] = _in_layout(value, ref)
     if storage.pending is not None:
         storage.pending.flag[...] = True
+
+
+def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> Any:
+    """`write(handle, state, fn)`, where `state` is the stored value with only some
+    rows changed: `rows` (per leaf, `n` entries along the leaf's first axis, which
+    must fit from `start`) at `start` (an integer scalar). Returns the state after
+    the write, as `read` does.
+
+    Through references, only those rows are written, in place, and the state is
+    read again after: writing the whole value back, or using a value read before
+    the write after it, makes XLA copy the buffer (the whole stacked buffer, on
+    a layer's slice under `jaxstate.scan`). Elsewhere `state` is written, and
+    returned."""
+    storage = resolve(handle)
+    refs = storage.refs
+    if (
+        _jax.is_eager()
+        or not is_set(storage)
+        or refs is None
+        or at_top(storage)
+        or any(_jax.is_explicit(_stored_aval(ref).sharding) for ref in refs)
+    ):
+        write(handle, state, fn)
+        return state
+    check_not_passed_in(storage, fn)
+    leaves, treedef = array_leaves(state, fn, "state")
+    check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
+    row_leaves = jtu.tree_leaves(rows)
+    check_not_scanned(handle, storage, fn)
+    check_vmaps(storage.batch_shape, fn)
+    check_traced(handle, storage, fn)
+    batch_shape = storage.batch_shape
+    first = write_member(lax.stop_gradient(jnp.asarray(start)), batch_shape)
+    values = [
+        write_member(lax.stop_gradient(jnp.asarray(r)), batch_shape) for r in row_leaves
+    ]
+    n = jnp.shape(row_leaves[0])[0]
+    if batch_shape:
+        # Each member's rows from its own start: one scatter.
+        members = [g[..., None] for g in jnp.indices(batch_shape, sparse=True)]
+        rows_at = jnp.arange(n, dtype=first.dtype).reshape(
+            (1,) * len(batch_shape) + (n,)
+        )
+        index = (*members, first[..., None] + rows_at)
+    else:
+        index = (_jax.dynamic_slice(first, n),)
+    for ref, value, leaf in zip(refs, values, leaves, strict=True):
+        assert jnp.shape(value)[len(batch_shape) + 1 :] == jnp.shape(leaf)[1:]
+        ref[index] = value.astype(ref.dtype)
+    if storage.pending is not None:
+        storage.pending.flag[...] = True
+    return read(handle, None, fn)
+
+
+def _stored_aval(ref) -> Any:
+    if isinstance(ref, (LocalRef, SliceRef)):
+        return ref.aval
+    return _jax.typeof(ref).inner_aval
 
 
 def read(handle: Handle, like: Any, fn: str) -> Any:

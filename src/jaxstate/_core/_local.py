@@ -70,10 +70,11 @@ def at_top(storage) -> bool:
 
 
 class SliceRef:
-    """Behaves like a `jax.Ref` for `ref[...]` and `ref[...] = value`, on one slice
-    of a reference: `ref[indices]`, the leading axes indexed by `indices` (traced
-    integers). `jaxstate.scan` gives each iteration's body its layer's slice of a
-    stacked state with these (`_scan.py`)."""
+    """Behaves like a `jax.Ref` for `ref[...]` and `ref[...] = value` (and
+    `ref[idx]` with a tuple `idx`), on one slice of a reference: `ref[indices]`,
+    the leading axes indexed by `indices` (traced integers). `jaxstate.scan`
+    gives each iteration's body its layer's slice of a stacked state with these
+    (`_scan.py`)."""
 
     __slots__ = ("ref", "indices")
 
@@ -101,10 +102,11 @@ class SliceRef:
         k = len(self.indices)
         return respec(whole, whole.shape[k:], k, 0)
 
+    def _within(self, idx) -> tuple:
+        return self.indices if idx is Ellipsis else (*self.indices, *idx)
+
     def __getitem__(self, idx):
-        assert idx is Ellipsis
-        return self.ref[self.indices]
+        return self.ref[self._within(idx)]
 
     def __setitem__(self, idx, value) -> None:
-        assert idx is Ellipsis
-        self.ref[self.indices] = value
+        self.ref[self._within(idx)] = value

@@ -7,6 +7,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from .._core._access import write_rows
 from .._core._context import resolve
 from .._core._index import StateIndex
 from .._core._kinds import CACHE
@@ -247,8 +248,20 @@ class KVCache(eqx.Module):
             values = jnp.where(
                 fits, values, lax.dynamic_slice(all_values, at, values.shape)
             )
-            all_keys = lax.dynamic_update_slice(all_keys, keys, at)
-            all_values = lax.dynamic_update_slice(all_values, values, at)
+            # Only the new rows are written, and the buffers read again after:
+            # in place, also on one layer's slice of caches stacked for
+            # `jaxstate.scan`, where writing back the whole buffers (or reading
+            # them before the write and using them after) would copy them.
+            all_keys, all_values = write_rows(
+                writable(self.buffers)._handle,
+                (
+                    lax.dynamic_update_slice(all_keys, keys, at),
+                    lax.dynamic_update_slice(all_values, values, at),
+                ),
+                (keys, values),
+                at[0],
+                "KVCache.append",
+            )
         else:
             # Real tokens to consecutive positions; padding (and everything, when
             # the tokens do not fit) to an index past the end, which is dropped.
@@ -256,7 +269,7 @@ class KVCache(eqx.Module):
             dest = jnp.where(padding_mask & fits, slot, self.max_len)
             all_keys = all_keys.at[dest].set(keys, mode="drop")
             all_values = all_values.at[dest].set(values, mode="drop")
-        set_state(writable(self.buffers), (all_keys, all_values))
+            set_state(writable(self.buffers), (all_keys, all_values))
         set_state(writable(self.position), jnp.where(fits, start + n_new, start))
         return all_keys, all_values, start, fits
 
