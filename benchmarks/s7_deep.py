@@ -56,6 +56,9 @@ SCAN = "jaxstate.scan over an eqx.filter_vmap stack, jaxstate.jit"
 LOOP = "Python loop over the layers, jaxstate.jit"
 NNX = "Flax nnx.scan over an nnx.vmap stack, nnx.jit"
 ROWS = [SCAN, LOOP, NNX]
+# 32 layers of float32 arithmetic, fused differently by each program: a difference
+# of a few 1e-5 after three steps is rounding, not disagreement.
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 # Issue 19's targets: the scanned stack's first call at the deepest depth within
 # 1.5× of its first call at the shallowest; a scanned decoder's time per token
 # within 1.1× of the looped one's.
@@ -364,12 +367,17 @@ def first_calls(
     rounds = []
     for r in range(cfg.first_rounds):
         per_depth = {}
-        for depth in depths:
+        # The depths in a rotated order each round, as the rows within one.
+        k = r % len(depths)
+        for depth in depths[k:] + depths[:k]:
             builders = {name: _builder(name, depth, commit=False) for name in ROWS}
-            # The rows are rotated within `first_steps`; the first round also has
-            # an untimed round that checks the results and warms what is shared.
+            # The first round also has an untimed round that checks the results
+            # and warms what the rows share.
             per_depth[depth] = first_steps(
-                builders, 1, check_round=cfg.first_check_round and r == 0
+                builders,
+                1,
+                check_round=cfg.first_check_round and r == 0,
+                tolerance=TOLERANCE,
             )
             progress(1)
         rounds.append(per_depth)
@@ -389,11 +397,16 @@ def run(cfg: Config, progress: Callable[[int], None] = lambda n: None):
         baseline=SCAN,
         agreement=None,
     )
+    res.notes.append(
+        f"Results are compared with rtol {TOLERANCE['rtol']:g} and atol "
+        f"{TOLERANCE['atol']:g}: up to 32 layers of float32 arithmetic, fused "
+        "differently by each program."
+    )
     # Step times, and that the three rows agree at every depth.
     timed: dict[int, list[Variant]] = {}
     for depth in depths:
         variants = [_builder(name, depth, commit=True)() for name in ROWS]
-        agreement, _ = check(variants, cfg.check_steps)
+        agreement, _ = check(variants, cfg.check_steps, **TOLERANCE)
         res.notes.append(f"Training, {depth} layers: {agreement.summary()}.")
         timed[depth] = variants
     flat = [
@@ -403,12 +416,14 @@ def run(cfg: Config, progress: Callable[[int], None] = lambda n: None):
     ]
     timings: dict[str, Timing] = measure(flat, cfg, progress=progress)
     first = first_calls(cfg, depths, progress)
-    for r in first.rounds:
-        for depth, fs in r.items():
-            if fs.agreement is not None and not fs.agreement.ok:
-                res.notes.append(
-                    f"First calls, {depth} layers: {fs.agreement.summary()}."
-                )
+    for depth in depths:
+        bad = [
+            fs.agreement.summary()
+            for fs in (r[depth] for r in first.rounds)
+            if fs.agreement is not None and not fs.agreement.ok
+        ]
+        if bad:
+            res.notes.append(f"First calls, {depth} layers: {bad[0]}.")
     header = ["variant"]
     header += [f"first call s, {d} layers" for d in depths]
     header += [f"× {depths[0]} layers, at {depths[-1]}"]
