@@ -103,10 +103,15 @@ class SliceRef:
         return respec(whole, whole.shape[k:], k, 0)
 
     def _within(self, idx) -> tuple:
-        return self.indices if idx is Ellipsis else (*self.indices, *idx)
+        # Slices of one entry, not integers: JAX indexes a sharded reference (an
+        # explicit mesh's) by slices only. They leave a unit axis each.
+        outer = tuple(_jax.dynamic_slice(i, 1) for i in self.indices)
+        return outer if idx is Ellipsis else (*outer, *idx)
 
     def __getitem__(self, idx):
-        return self.ref[self._within(idx)]
+        out = self.ref[self._within(idx)]
+        return lax.squeeze(out, range(len(self.indices)))
 
     def __setitem__(self, idx, value) -> None:
+        value = lax.expand_dims(value, range(len(self.indices)))
         self.ref[self._within(idx)] = value
