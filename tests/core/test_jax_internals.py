@@ -151,6 +151,18 @@ def test_sub_jaxprs_of_control_flow():
     assert {e.primitive.name for s in subs for e in s.eqns} == {"sin", "cos"}
 
 
+def test_a_dynamic_slice_index_of_a_reference():
+    ref = jax.new_ref(jnp.zeros((2, 5)))
+
+    @jax.jit
+    def f(start):
+        ref[1, _jax.dynamic_slice(start, 2)] = jnp.array([1.0, 2.0])
+        return ref[_jax.dynamic_slice(start - 2, 1)]  # row 1, as a (1, 5) slice
+
+    np.testing.assert_array_equal(f(jnp.int32(3)), [[0, 0, 0, 1, 2]])
+    np.testing.assert_array_equal(ref[...], [[0.0] * 5, [0, 0, 0, 1, 2]])
+
+
 class _Aux:
     """A pytree node whose aux data is itself, found by identity."""
 
