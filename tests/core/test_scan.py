@@ -213,6 +213,35 @@ def test_a_stack_of_stacks_scanned_twice(jit_or_eager):
             np.testing.assert_allclose(flat(a), b, **TOL)
 
 
+def test_an_ensemble_in_each_layer_the_layer_axis_first(jit):
+    # Two members per layer: the vmap over the layers outside the one over the
+    # members, so the layer axis is the states' outermost; the members are
+    # vmapped inside the body, each with its own batch.
+    keys = jax.random.split(jax.random.key(0), (N_LAYERS, 2))
+    stack = eqx.filter_vmap(eqx.filter_vmap(Block))(keys)
+    layers = [[Block(k) for k in pair] for pair in keys]
+    xs = jax.random.normal(jax.random.key(1), (2, BATCH, WIDTH))
+
+    def run(stack, xs):
+        def body(hs, members):
+            return eqx.filter_vmap(_per_batch)(members, hs), None
+
+        return jaxstate.scan(body, xs, stack)[0]
+
+    expected = [_looped([layer[m] for layer in layers], xs[m]) for m in range(2)]
+    np.testing.assert_allclose(jit(run)(stack, xs), jnp.stack(expected), **TOL)
+    assert stack.calls.unsafe_get().tolist() == [[1, 1]] * N_LAYERS
+    for m in range(2):
+        member = jtu.tree_map(lambda a: a[:, m], eqx.filter(stack, eqx.is_array))
+        for a, b in zip(
+            jtu.tree_leaves(member), _stacked([layer[m] for layer in layers])
+        ):
+            np.testing.assert_allclose(a, b, **TOL)
+        got = stack.bn.batch_state.unsafe_get()[0][:, m]
+        want = jnp.stack([layer[m].bn.batch_state.unsafe_get()[0] for layer in layers])
+        np.testing.assert_allclose(got, want, **TOL)
+
+
 def test_scan_with_no_arrays_in_xs_takes_its_length_from_the_state(jit_or_eager):
     counters = eqx.filter_vmap(
         lambda x: jaxstate.StateIndex(init=x), axis_size=N_LAYERS
