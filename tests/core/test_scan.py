@@ -374,7 +374,7 @@ def test_plain_lax_scan_over_layers_indexed_by_hand_is_not_seen():
 
 def test_an_unset_index_in_xs_is_refused():
     unset = eqx.filter_vmap(lambda: jaxstate.StateIndex(), axis_size=2)()
-    with pytest.raises(RuntimeError, match="has no state yet"):
+    with pytest.raises(RuntimeError, match="no state yet"):
         jaxstate.scan(lambda c, i: (c, None), 0, unset, length=2)
 
 
@@ -393,7 +393,7 @@ def test_state_of_another_number_of_layers_is_refused(jit_or_eager):
     stack, other = _stack(), _stack(N_LAYERS + 1)
     before = snapshot((stack, other))
     params = eqx.filter(stack, eqx.is_array)
-    with pytest.raises(RuntimeError, match=f"scans {N_LAYERS} layers"):
+    with pytest.raises(RuntimeError, match=f"runs {N_LAYERS} layers"):
         jit_or_eager(lambda p, o, x: jaxstate.scan(lambda c, b: (c, None), x, (p, o)))(
             params, other, _batch()
         )

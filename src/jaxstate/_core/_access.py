@@ -42,12 +42,10 @@ _IN_WHILE_COND = (
 
 
 _PLAIN_SCAN = (
-    "`{fn}` reached a state stacked along a leading axis of size {size} (layers "
-    "built with `eqx.filter_vmap`) through the `xs` of a `lax.scan` (or "
-    "`lax.map`). The scan slices the layers' arrays but not their state, so every "
-    "iteration would read and write every layer's state. Use `jaxstate.scan` (the "
-    "same signature as `lax.scan`), which hands each iteration its own layer's "
-    "state. See docs/deep-models.md."
+    "`{fn}` reached state stacked over {size} layers through the `xs` of a "
+    "`lax.scan` (or `lax.map`), which slices the layers' arrays but not their "
+    "state. Use `jaxstate.scan` (the same signature), which gives each iteration "
+    "its own layer's state."
 )
 
 

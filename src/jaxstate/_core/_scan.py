@@ -66,22 +66,19 @@ def _stacked_states(xs: Any, length: int | None) -> tuple[dict[int, Storage], in
             continue
         if not is_set(storage):
             raise RuntimeError(
-                "`jaxstate.scan` got a StateIndex in `xs` that has no state yet. "
-                "Give every state of the stacked layers its value before the scan, "
-                "in the layer's `__init__` (which `eqx.filter_vmap` runs once per "
-                "layer), for example with `StateIndex(init=value)`."
+                "`jaxstate.scan` got an index in `xs` with no state yet: set every "
+                "state of the stacked layers before the scan, in the layer's "
+                "`__init__` (for example `StateIndex(init=value)`)."
                 + describe_unset(storage)
             )
         if length is None and storage.batch_shape:
             length = storage.batch_shape[0]
         if storage.batch_shape[:1] != (length,):
             raise RuntimeError(
-                f"`jaxstate.scan` scans {length} layers, but a StateIndex in `xs` "
-                f"holds state of {storage.describe()}: its outermost axis is not "
-                "one slice per layer. Put in `xs` only layers built together with "
-                "`eqx.filter_vmap` (their states made inside it), with as many as "
-                "the scan's length. Pass state shared by every layer in `init` or "
-                "close over it."
+                f"`jaxstate.scan` runs {length} layers, but an index in `xs` holds "
+                f"state of {storage.describe()}, not one slice per layer along its "
+                "first axis. Put only layers built by one `eqx.filter_vmap` in "
+                "`xs`; pass state shared by the layers in `init` or close over it."
             )
         check_not_passed_in(storage, "jaxstate.scan")
         check_not_scanned(handle, storage, "jaxstate.scan")

@@ -49,9 +49,8 @@ def vmaps_known() -> bool:
 # over them is refused by `_access.check_not_scanned`; this is for the other ways
 # of reaching them, such as slicing the layers by hand in a loop.)
 _SCAN_OVER_LAYERS = (
-    " If these are layers stacked with `eqx.filter_vmap` and run one after another, "
-    "run them with `jaxstate.scan` (as `lax.scan`, with the layers in `xs`), which "
-    "hands each iteration its own layer's state (docs/deep-models.md)."
+    " If these are layers stacked with `eqx.filter_vmap`, run them with "
+    "`jaxstate.scan`, which gives each iteration its own layer's state."
 )
 
 
