@@ -57,8 +57,9 @@ LOOP = "Python loop over the layers, jaxstate.jit"
 NNX = "Flax nnx.scan over an nnx.vmap stack, nnx.jit"
 ROWS = [SCAN, LOOP, NNX]
 # 32 layers of float32 arithmetic, fused differently by each program: a difference
-# of a few 1e-5 after three steps is rounding, not disagreement.
-TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+# of a few 1e-5 after three steps (in the first layer's weights, whose gradient
+# comes back through every layer) is rounding, not disagreement.
+TOLERANCE = dict(rtol=1e-4, atol=5e-5)
 # Issue 19's targets: the scanned stack's first call at the deepest depth within
 # 1.5× of its first call at the shallowest; a scanned decoder's time per token
 # within 1.1× of the looped one's.
