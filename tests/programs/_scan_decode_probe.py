@@ -10,27 +10,17 @@ before appending and use it after, which makes XLA copy the stacked caches: the
 measurement must see that.
 """
 
-import re
 import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from _inplace_probe import peak, reset_peak  # run as a script: this folder
 
 import jaxstate
 
 
 LAYERS, HEADS, SIZE = 12, 4, 32
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def _layer(max_len: int, key) -> jaxstate.nn.CachedSelfAttention:
@@ -78,12 +68,12 @@ def main(max_len: int, mode: str) -> None:
         jitted = jaxstate.jit(fn)
         jitted.lower(model, x).compile()
         step = lambda x: jitted(model, x)  # noqa: E731
-    _reset_peak()
-    base = _peak()
+    reset_peak()
+    base = peak()
     for _ in range(5):
         x = step(x)
     x.block_until_ready()
-    growth = _peak() - base
+    growth = peak() - base
     caches = model if mode == "loop" else [model]
     lengths = [int(n) for c in caches for n in jnp.ravel(c.cache.length())]
     assert lengths == [5] * LAYERS, lengths
