@@ -264,6 +264,26 @@ def test_scan_with_no_arrays_in_xs_takes_its_length_from_the_state(jit_or_eager)
     assert counters.unsafe_get().tolist() == [0, 10, 20]
 
 
+def test_a_layer_in_the_body_keeps_its_states_kinds(jit_or_eager):
+    # Each iteration's layer stands for its slice, with the stack's kind and reset
+    # value: resetting by kind in the body resets that layer's slice.
+    counters = eqx.filter_vmap(
+        lambda x: jaxstate.StateIndex(init=x + 1, kind="counter", reset=-1),
+        axis_size=N_LAYERS,
+    )(jnp.arange(N_LAYERS))
+
+    def run(counters):
+        def body(total, counter):
+            total = total + jaxstate.get_state(counter)
+            jaxstate.reset(counter, "counter")
+            return total, None
+
+        return jaxstate.scan(body, jnp.array(0), counters)[0]
+
+    assert int(jit_or_eager(run)(counters)) == 6
+    assert counters.unsafe_get().tolist() == [-1, -1, -1]
+
+
 def test_without_state_in_xs_it_is_lax_scan():
     xs = jnp.arange(4.0)
     out = jaxstate.scan(lambda c, x: (c + x, c * x), 1.0, xs, reverse=True, unroll=2)

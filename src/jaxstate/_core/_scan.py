@@ -26,7 +26,7 @@ from .. import _jax
 from ._access import check_not_scanned, check_traced
 from ._context import check_not_passed_in, redirected, resolve
 from ._local import SliceRef
-from ._storage import describe_unset, Handle, is_set, Storage
+from ._storage import describe_unset, Handle, is_set, Storage, traits, with_traits
 
 
 _Carry = TypeVar("_Carry")
@@ -37,7 +37,7 @@ _Y = TypeVar("_Y")
 def _slice(storage: Storage, index: Any) -> Storage:
     """A stand-in for slice `index` (along the outermost batch axis) of `storage`."""
     assert storage.refs is not None
-    out = Storage()
+    out = with_traits(Storage(), traits(storage))
     out.real = storage
     out.treedef = storage.treedef
     out.member_avals = storage.member_avals
