@@ -209,10 +209,12 @@ def first_steps(
     calls: int = CALLS,
     on_error: Callable[[str, str], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    tolerance: dict[str, float] | None = None,
 ) -> FirstSteps:
     """Measures the first `calls` calls of fresh builds of every variant: one
     untimed round that checks the results agree, then `rounds` timed rounds. With
-    `check_round=False` (quick runs), the first timed round is the one checked."""
+    `check_round=False` (quick runs), the first timed round is the one checked.
+    `tolerance`: `rtol` and `atol` for the comparison, if not `compare`'s."""
     names = list(builders)
     unavailable: dict[str, str] = {}
     runs: dict[str, list[Run]] = {name: [] for name in names}
@@ -247,7 +249,7 @@ def first_steps(
             if progress is not None:
                 progress(1)
             ordered = {n: results[n] for n in names if n in results}
-            agree = compare(ordered, calls)
+            agree = compare(ordered, calls, **(tolerance or {}))
             if r == 0:
                 agreement = agree
             elif not agree.ok:

@@ -47,6 +47,8 @@ class Config:
     first_rounds: int = 3  # time to first step: timed rounds of fresh builds
     first_check_round: bool = True  # an untimed round first, that checks results
     s6d_stages: int = 4  # S6d's ResNet: stages kept (4: all, 21 BatchNorms)
+    s7_depths: tuple[int, ...] = (2, 8, 32)  # S7: the stacks' numbers of layers
+    s7_decode_layers: int = 12  # S7: the decoder's
 
     @classmethod
     def make(cls, quick: bool) -> "Config":
@@ -66,6 +68,8 @@ class Config:
             first_rounds=1,
             first_check_round=False,
             s6d_stages=1,
+            s7_depths=(2, 4),
+            s7_decode_layers=2,
         )
 
 

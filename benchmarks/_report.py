@@ -26,16 +26,18 @@ HOW = """\
   the ratio of the two medians shown.
 - S4 measures memory, not time: one subprocess per variant, the peak resident set
   (VmHWM) reset after compiling, then stepped.
-- Time to first step (S6a-c's second table, and S6d): each round builds every
-  variant afresh as a user does (nothing committed to a device) with a new jitted
-  function, so that no cache of an earlier build can help, and times its first 3
-  calls one by one, blocking on each; building is not timed. JAX's persistent
-  compilation cache is off. "compiles" counts XLA compilations per call (JAX's
-  `/jax/core/compile/backend_compile_duration` event), "traces" traces to a jaxpr.
-  A first untimed round checks that the fresh builds compute the same results and
-  warms what all variants share (JAX's own jitted helpers); the rounds after it
-  are timed, interleaved, the starting variant rotated. Figures are medians over
-  rounds, ratios medians of per-round ratios.
+- Time to first step (S6a-c's second table, S6d, and S7's first calls): each
+  round builds every variant afresh as a user does (nothing committed to a
+  device) with a new jitted function, so that no cache of an earlier build can
+  help, and times its first 3 calls one by one, blocking on each; building is not
+  timed. JAX's persistent compilation cache is off. "compiles" counts XLA
+  compilations per call (JAX's `/jax/core/compile/backend_compile_duration`
+  event), "traces" traces to a jaxpr. A first untimed round checks that the fresh
+  builds compute the same results and warms what all variants share (JAX's own
+  jitted helpers); the rounds after it are timed, interleaved, the starting
+  variant rotated. Figures are medians over rounds, ratios medians of per-round
+  ratios (S7 builds every depth in each round, so its ratio between depths pairs
+  runs of one round).
 - Timings are never asserted in tests; tests/programs/test_benchmarks_smoke.py only
   checks that the variants agree and that the tables have their rows."""
 

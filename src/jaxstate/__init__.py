@@ -29,6 +29,7 @@ from ._core._index import is_state_index as is_state_index, StateIndex as StateI
 from ._core._inference import tree_inference as tree_inference
 from ._core._loops import while_loop as while_loop
 from ._core._ops import get_state as get_state, set_state as set_state
+from ._core._scan import scan as scan
 from ._core._slow import SlowPathWarning as SlowPathWarning
 from ._jit._wrapper import jit as jit
 from ._pure._pure import from_pure as from_pure, to_pure as to_pure

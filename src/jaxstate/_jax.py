@@ -10,7 +10,9 @@ moving to a newer JAX is this file's work (and that test's).
 Nothing outside this file imports from `jax._src`.
 """
 
+import inspect
 import operator
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,9 +21,9 @@ import jax
 import jax.core
 from jax._src import config as _config, core as _core
 from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
-from jax._src.lax.control_flow import conditionals as _conditionals
+from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
 from jax._src.shard_map import ShardMapTrace as _ShardMapTrace
-from jax._src.state import primitives as _state_primitives
+from jax._src.state import indexing as _indexing, primitives as _state_primitives
 from jax._src.state.types import (
     AbstractRef as _AbstractRef,
     ReadEffect as _ReadEffect,
@@ -223,6 +225,12 @@ def is_abstract_ref(aval: Any) -> bool:
     return isinstance(aval, _AbstractRef)
 
 
+def dynamic_slice(start: Any, size: int) -> Any:
+    """An index for `ref[...]`: `size` entries from the traced `start` (a reference
+    write through it is a dynamic-update-slice, in place)."""
+    return _indexing.ds(start, size)
+
+
 #
 # Jaxpr inspection.
 #
@@ -242,6 +250,39 @@ def recorded(trace: Any) -> Iterator[tuple[Any, dict]]:
             if eqn is None:
                 continue
         yield eqn.primitive, eqn.params
+
+
+#
+# `lax.scan` over layers stacked by `eqx.filter_vmap`. Assumed: while `lax.scan`
+# (also inside `lax.map`, and `scan_nocarry`, JAX's other version) traces or runs
+# its body, its frame holds the flattened `xs` in the local `xs_flat` (a `FlatTree`,
+# with the tree structure in `.tree`), and that structure holds the aux data of
+# every pytree node of `xs`, by identity.
+#
+
+_SCAN_CODES = frozenset(
+    inspect.unwrap(f).__code__ for f in (_loops.scan, _loops.scan_nocarry)
+)
+
+
+def scanned_aux() -> Iterator[Any]:
+    """The aux data of every pytree node in the `xs` of each `lax.scan` whose body
+    the current thread is tracing or running, innermost scan first."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _SCAN_CODES:
+            tree = getattr(frame.f_locals.get("xs_flat"), "tree", None)
+            if tree is not None:
+                yield from _node_data(tree)
+        frame = frame.f_back
+
+
+def _node_data(tree: Any) -> Iterator[Any]:
+    data = tree.node_data()
+    if data is not None:
+        yield data[1]
+    for child in tree.children():
+        yield from _node_data(child)
 
 
 def checkify_predicates(error: Any) -> list:

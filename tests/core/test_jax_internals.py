@@ -151,6 +151,55 @@ def test_sub_jaxprs_of_control_flow():
     assert {e.primitive.name for s in subs for e in s.eqns} == {"sin", "cos"}
 
 
+def test_a_dynamic_slice_index_of_a_reference():
+    ref = jax.new_ref(jnp.zeros((2, 5)))
+
+    @jax.jit
+    def f(start):
+        ref[1, _jax.dynamic_slice(start, 2)] = jnp.array([1.0, 2.0])
+        return ref[_jax.dynamic_slice(start - 2, 1)]  # row 1, as a (1, 5) slice
+
+    np.testing.assert_array_equal(f(jnp.int32(3)), [[0, 0, 0, 1, 2]])
+    np.testing.assert_array_equal(ref[...], [[0.0] * 5, [0, 0, 0, 1, 2]])
+
+
+class _Aux:
+    """A pytree node whose aux data is itself, found by identity."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+jax.tree_util.register_pytree_node(_Aux, lambda a: ((), a), lambda a, _: a)
+
+
+def test_the_aux_data_in_the_xs_of_the_scans_being_traced():
+    carried, scanned, inner = _Aux("carried"), _Aux("scanned"), _Aux("inner")
+    seen = []
+
+    def probe():
+        return [a.name for a in _jax.scanned_aux() if isinstance(a, _Aux)]
+
+    def inner_body(c, x):
+        seen.append(("inner", probe()))
+        return c, x
+
+    def body(c, x):
+        seen.append(("outer", probe()))
+        lax.scan(inner_body, c, (x[1], inner))
+        return c, None
+
+    xs = (scanned, jnp.zeros((2, 1)))
+    lax.scan(body, (carried, 0.0), xs)  # traced
+    lax.map(lambda x: seen.append(("map", probe())), xs)
+    with jax.disable_jit():  # run
+        lax.scan(body, (carried, 0.0), xs)
+    assert probe() == []
+    traced = [("outer", ["scanned"]), ("inner", ["inner", "scanned"])]
+    # Run: two outer iterations, each with one inner one.
+    assert seen == [*traced, ("map", ["scanned"]), *traced, *traced]
+
+
 def test_debugging_nans_reads_the_config():
     assert not _jax.debugging_nans()
     with jax.debug_nans(True):

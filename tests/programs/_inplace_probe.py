@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import jaxstate
 
 
-def _peak() -> int:
+def peak() -> int:
     with open("/proc/self/status") as f:
         return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -53,13 +53,13 @@ def main(nbytes: int, mode: str) -> None:
         f.lower(index).compile()
     # Compiled ahead, not by running a step: a first step would free a buffer that
     # the allocator then reuses for later copies, hiding them from the peak.
-    _reset_peak()
-    base = _peak()
+    reset_peak()
+    base = peak()
     for _ in range(5):
         out = call()
     out.block_until_ready()
     assert float(out) == 1.9375, float(out)  # 5 steps of x -> x/2 + 1 from 0
-    print(_peak() - base)
+    print(peak() - base)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
 same steps) and that the results tables have the expected rows; runs the time to
-first step (S6a's fresh builds, and S6d as `--quick` runs it) and checks its counts
-of compilations; makes the README's speed section from a report, and checks that
-the README's is the last run's. Timings are measured but never asserted on.
+first step (S6a's fresh builds, S6d as `--quick` runs it, and S7's stacks at two
+depths) and checks its counts of compilations; makes the README's speed section
+from a report, and checks that the README's is the last run's. Timings are
+measured but never asserted on.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ from benchmarks import (  # noqa: E402
     s6_decode,
     s6_mlp,
     s6_resnet,
+    s7_deep,
 )
 from benchmarks._harness import (  # noqa: E402
     check,
@@ -216,7 +218,7 @@ def test_s6a_time_to_first_step():
     _check_first_steps(fs, names, once=[_s6.BASELINE, s6_mlp.EQX])
 
 
-def test_s7_time_to_first_step_quick():
+def test_s6d_time_to_first_step_quick():
     cfg = Config.make(quick=True)
     assert cfg.s6d_stages == 1 and not cfg.first_check_round
     res = bench_main.run_s6d(cfg)
@@ -235,6 +237,35 @@ def test_s7_time_to_first_step_quick():
     ]
     assert all(t.value > 0 and t.primary for t in res.targets)
     assert s6_resnet.n_batchnorms(4) == 21
+
+
+def test_s7_deep_models_quick():
+    # `--quick`'s depths (2 and 4 layers) and 2-layer decoder, one round of each.
+    cfg = dataclasses.replace(Config.make(quick=True), rounds=1, chunk_s=0.0)
+    assert cfg.s7_depths == (2, 4) and cfg.s7_decode_layers == 2
+    res = bench_main.run_s7(cfg)
+    training, decoding = res.tables
+    assert [row[0] for row in training.rows] == s7_deep.ROWS
+    column = training.header.index("compiles (calls 1+…+3)")
+    for row in training.rows:
+        assert not row[1].startswith("unavailable"), row
+        for cell in row[column].split(" / "):  # one per depth
+            counts = _compiles(cell)
+            assert counts[0] >= 1 and counts[-1] == 0, row
+        assert all(float(c.replace(",", "")) > 0 for c in row[1:column])
+    assert [row[0] for row in decoding.rows] == [
+        s7_deep.DECODE_LOOP,
+        s7_deep.DECODE_SCAN,
+    ]
+    # The three training rows agree at each depth, and the two decoders.
+    agreements = [n for n in res.notes if "agree" in n or "DISAGREE" in n]
+    assert len(agreements) == 3 and all("all" in n for n in agreements), res.notes
+    assert [t.label for t in res.targets] == [
+        f"{s7_deep.SCAN}: first call at 4 layers / at 2 layers",
+        f"{s7_deep.DECODE_SCAN} / loop, 2 layers (pipelined)",
+        f"{s7_deep.DECODE_SCAN} / loop, 2 layers (blocked)",
+    ]
+    assert all(t.value > 0 and t.primary for t in res.targets)
 
 
 def test_first_steps_reports_a_failing_variant():

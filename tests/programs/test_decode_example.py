@@ -31,11 +31,15 @@ def test_cached_and_uncached_decodes_agree(capsys):
     assert all(0 <= t < 17 for t in out["cached"])
     printed = capsys.readouterr().out
     assert "identical: True" in printed
-    assert printed.count("tokens/s") == 2
+    assert printed.count("tokens/s") == 3
     # The padded batch: each sequence as its prompt alone.
     assert out["batch_same"] and len(out["batch"]) == 4
     assert "identical to each decoded alone: True" in printed
     assert len({tuple(b) for b in out["batch"]}) > 1
+    # The blocks stacked and run by `jaxstate.scan`: the same tokens.
+    assert out["scanned"] == out["cached"]
+    assert out["scanned_batch"] == out["batch"]
+    assert "identical to the loop over the blocks: True" in printed
 
 
 def test_cached_decode_is_the_full_models_greedy_decode():

@@ -36,7 +36,7 @@ def _pages() -> list[Path]:
     # The site's home page is the README (docs/_hooks/hooks.py), whose code
     # tests/programs/test_readme.py runs; the layer guides' is run by
     # tests/programs/test_layer_docs.py.
-    return [DOCS / "getting-started.md", DOCS / "porting.md"]
+    return [DOCS / "getting-started.md", DOCS / "porting.md", DOCS / "deep-models.md"]
 
 
 def _blocks(page: Path) -> list[tuple[int, str]]:
@@ -72,6 +72,8 @@ def test_pages_exist_and_have_runnable_code():
     # Equinox, the ensembles, two models in one tree_map, inference, checkpoints.
     assert counts.get("getting-started.md", 0) >= 2
     assert counts.get("porting.md", 0) >= 7
+    # A stack trained with `jaxstate.scan`; per example; a layer split to scan it.
+    assert counts.get("deep-models.md", 0) >= 3
 
 
 def test_every_page_with_runnable_code_is_run():

@@ -69,6 +69,8 @@ EXPECTED = {
     "fewer-vmaps",
     "vmap-size",
     "cond-per-member-write",
+    "scan-over-stack",
+    "scan-shared-state",
     # loops and differentiation
     "while-cond-reads-state",
     "grad-scan-cond",

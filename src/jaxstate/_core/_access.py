@@ -17,9 +17,9 @@ from ._buffers import commit, snapshot
 from ._checks import array_leaves, check_fits
 from ._context import check_not_passed_in, resolve
 from ._create import create
-from ._local import at_top, LocalRef
+from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
-from ._storage import describe_unset, Handle, is_set, Storage
+from ._storage import describe_unset, Handle, is_set, Key, Storage
 from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
 
 
@@ -41,6 +41,14 @@ _IN_WHILE_COND = (
 )
 
 
+_PLAIN_SCAN = (
+    "`{fn}` reached state stacked over {size} layers through the `xs` of a "
+    "`lax.scan` (or `lax.map`), which slices the layers' arrays but not their "
+    "state. Use `jaxstate.scan` (the same signature), which gives each iteration "
+    "its own layer's state."
+)
+
+
 def _not_set(storage: Storage) -> RuntimeError:
     return RuntimeError(
         "Cannot get state before it has been set: call "
@@ -50,7 +58,7 @@ def _not_set(storage: Storage) -> RuntimeError:
     )
 
 
-def _check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
+def check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
     """Checks a read or write through the state's references; returns what the
     enclosing traces were made for."""
     enclosing = traced_for()
@@ -64,14 +72,27 @@ def _check_traced(handle: Handle, storage: Storage, fn: str) -> set[str]:
     return enclosing
 
 
+def check_not_scanned(handle: Handle, storage: Storage, fn: str) -> None:
+    """Refuses a stacked state reached through the `xs` of a plain `lax.scan` whose
+    body is being traced (or run, under `jax.disable_jit`). `jaxstate.scan` keeps
+    the indices out of the `xs` it gives `lax.scan`."""
+    if not storage.batch_shape:
+        return
+    # By the state, not the index: inside the body the layer may have been
+    # flattened and rebuilt (`eqx.combine(params, static)`), with new keys.
+    target = handle.get().id
+    for aux in _jax.scanned_aux():
+        if type(aux) is Key and aux.id == target:
+            raise RuntimeError(_PLAIN_SCAN.format(fn=fn, size=storage.batch_shape[0]))
+
+
 def _in_layout(value, ref):
     # A state keeps its sharding (docs/scaling.md). Under an `Explicit` mesh the
     # sharding is part of the type, and a value of another one (say replicated
     # `jnp.zeros`) would be refused by JAX's reference, or change the layout of a
     # `jaxstate.jit` output: move it to the state's layout instead, as an eager
     # write does.
-    stored = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
-    sharding = stored.sharding
+    sharding = _stored_aval(ref).sharding
     if _jax.is_explicit(sharding) and _jax.typeof(value).sharding != sharding:
         return jax.sharding.reshard(value, sharding)
     return value
@@ -86,6 +107,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         return
     check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
     assert storage.refs is not None
+    check_not_scanned(handle, storage, fn)
     check_vmaps(storage.batch_shape, fn)
     if _jax.is_eager():
         commit([(storage, leaves)])
@@ -94,7 +116,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         # The top level of a `jaxstate.jit` function: no vmap or grad to prepare for.
         values = [jnp.asarray(leaf) for leaf in leaves]
     else:
-        _check_traced(handle, storage, fn)
+        check_traced(handle, storage, fn)
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
@@ -105,6 +127,64 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         ref[...] = _in_layout(value, ref)
     if storage.pending is not None:
         storage.pending.flag[...] = True
+
+
+def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> Any:
+    """`write(handle, state, fn)`, where `state` is the stored value with only some
+    rows changed: `rows` (per leaf, `n` entries along the leaf's first axis, which
+    must fit from `start`) at `start` (an integer scalar). Returns the state after
+    the write, as `read` does.
+
+    Through references, only those rows are written, in place, and the state is
+    read again after: writing the whole value back, or using a value read before
+    the write after it, makes XLA copy the buffer (the whole stacked buffer, on
+    a layer's slice under `jaxstate.scan`). Elsewhere `state` is written, and
+    returned."""
+    storage = resolve(handle)
+    refs = storage.refs
+    if (
+        _jax.is_eager()
+        or not is_set(storage)
+        or refs is None
+        or at_top(storage)
+        or any(_jax.is_explicit(_stored_aval(ref).sharding) for ref in refs)
+    ):
+        write(handle, state, fn)
+        return state
+    check_not_passed_in(storage, fn)
+    leaves, treedef = array_leaves(state, fn, "state")
+    check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
+    row_leaves = jtu.tree_leaves(rows)
+    check_not_scanned(handle, storage, fn)
+    check_vmaps(storage.batch_shape, fn)
+    check_traced(handle, storage, fn)
+    batch_shape = storage.batch_shape
+    first = write_member(lax.stop_gradient(jnp.asarray(start)), batch_shape)
+    values = [
+        write_member(lax.stop_gradient(jnp.asarray(r)), batch_shape) for r in row_leaves
+    ]
+    n = jnp.shape(row_leaves[0])[0]
+    if batch_shape:
+        # Each member's rows from its own start: one scatter.
+        members = [g[..., None] for g in jnp.indices(batch_shape, sparse=True)]
+        rows_at = jnp.arange(n, dtype=first.dtype).reshape(
+            (1,) * len(batch_shape) + (n,)
+        )
+        index = (*members, first[..., None] + rows_at)
+    else:
+        index = (_jax.dynamic_slice(first, n),)
+    for ref, value, leaf in zip(refs, values, leaves, strict=True):
+        assert jnp.shape(value)[len(batch_shape) + 1 :] == jnp.shape(leaf)[1:]
+        ref[index] = value.astype(ref.dtype)
+    if storage.pending is not None:
+        storage.pending.flag[...] = True
+    return read(handle, None, fn)
+
+
+def _stored_aval(ref) -> Any:
+    if isinstance(ref, (LocalRef, SliceRef)):
+        return ref.aval
+    return _jax.typeof(ref).inner_aval
 
 
 def read(handle: Handle, like: Any, fn: str) -> Any:
@@ -118,13 +198,14 @@ def read(handle: Handle, like: Any, fn: str) -> Any:
     if like is not None:
         like_leaves, treedef = array_leaves(like, fn, "like")
         check_fits(storage, like_leaves, treedef, f"`like` passed to `{fn}`")
+    check_not_scanned(handle, storage, fn)
     check_vmaps(storage.batch_shape, fn)
     if _jax.is_eager():
         (values,) = snapshot([storage])
         return jtu.tree_unflatten(storage.treedef, values)
     if at_top(storage):
         return jtu.tree_unflatten(storage.treedef, [r[...] for r in storage.refs])
-    if "while_cond" in _check_traced(handle, storage, fn):
+    if "while_cond" in check_traced(handle, storage, fn):
         raise RuntimeError(_IN_WHILE_COND)
     likes = like_leaves or [None] * len(storage.refs)
     out = [

@@ -9,6 +9,7 @@ import jax
 import jax.lax as lax
 
 from .. import _jax
+from ._vmap import respec
 
 
 class LocalRef:
@@ -66,3 +67,51 @@ def at_top(storage) -> bool:
     traced, used at the top level of that function (not inside any transform)."""
     top = storage.top
     return top is not None and top is _jax.current_trace()
+
+
+class SliceRef:
+    """Behaves like a `jax.Ref` for `ref[...]` and `ref[...] = value` (and
+    `ref[idx]` with a tuple `idx`), on one slice of a reference: `ref[indices]`,
+    the leading axes indexed by `indices` (traced integers). `jaxstate.scan`
+    gives each iteration's body its layer's slice of a stacked state with these
+    (`_scan.py`)."""
+
+    __slots__ = ("ref", "indices")
+
+    def __init__(self, ref: Any, index: Any):
+        if isinstance(ref, SliceRef):  # a slice of a slice: one indexing
+            ref, indices = ref.ref, (*ref.indices, index)
+        else:
+            indices = (index,)
+        self.ref = ref  # a `jax.Ref`, or a `LocalRef` inside `jaxstate.jit`
+        self.indices = indices
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.ref.shape[len(self.indices) :])
+
+    @property
+    def dtype(self) -> Any:
+        return self.ref.dtype
+
+    @property
+    def aval(self) -> Any:
+        """The type of the slice (with its sharding, under an explicit mesh)."""
+        ref = self.ref
+        whole = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
+        k = len(self.indices)
+        return respec(whole, whole.shape[k:], k, 0)
+
+    def _within(self, idx) -> tuple:
+        # Slices of one entry, not integers: JAX indexes a sharded reference (an
+        # explicit mesh's) by slices only. They leave a unit axis each.
+        outer = tuple(_jax.dynamic_slice(i, 1) for i in self.indices)
+        return outer if idx is Ellipsis else (*outer, *idx)
+
+    def __getitem__(self, idx):
+        out = self.ref[self._within(idx)]
+        return lax.squeeze(out, range(len(self.indices)))
+
+    def __setitem__(self, idx, value) -> None:
+        value = lax.expand_dims(value, range(len(self.indices)))
+        self.ref[self._within(idx)] = value

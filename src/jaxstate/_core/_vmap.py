@@ -44,12 +44,13 @@ def vmaps_known() -> bool:
     return outermost is None or _jax.traced_for(outermost) not in _CUT
 
 
-# Flax NNX's "scan over layers" ported: layers made by one vmap, run by a scan. The
-# scan slices the layers' arrays but not their state, which has no leaves.
+# Layers made by one vmap, run one after another: their state has the layers' axis,
+# which only `jaxstate.scan` hands out one slice per iteration. (A plain `lax.scan`
+# over them is refused by `_access.check_not_scanned`; this is for the other ways
+# of reaching them, such as slicing the layers by hand in a loop.)
 _SCAN_OVER_LAYERS = (
-    " If these are layers stacked with `eqx.filter_vmap` and run one after another "
-    "with `lax.scan`: a scan cannot hand each iteration its layer's state. Build "
-    "the layers one by one and loop over them in Python (docs/design.md, 'vmap')."
+    " If these are layers stacked with `eqx.filter_vmap`, run them with "
+    "`jaxstate.scan`, which gives each iteration its own layer's state."
 )
 
 
@@ -119,7 +120,7 @@ def _check_levels(n_state: int, batch_shape, fn: str) -> None:
 #
 
 
-def _respec(aval, shape: tuple[int, ...], drop: int, add: int):
+def respec(aval, shape: tuple[int, ...], drop: int, add: int):
     """`aval` with `shape`: `drop` leading axes gone, `add` unsharded ones in front.
 
     The sharding goes along (under an `Explicit` mesh it is part of the type):
@@ -133,7 +134,7 @@ def _respec(aval, shape: tuple[int, ...], drop: int, add: int):
 
 def _read_abstract_eval(full, *like, batch_shape, n_state):
     k = len(batch_shape) - n_state
-    return _respec(full, full.shape[k:], k, 0)
+    return respec(full, full.shape[k:], k, 0)
 
 
 def _read_impl(full, *like, batch_shape, n_state):
@@ -187,7 +188,7 @@ def read(value, like, batch_shape: tuple[int, ...]):
 def _write_abstract_eval(value, *, batch_shape, levels):
     n_batched = sum(batched for _, batched in levels)
     shape = tuple(batch_shape) + value.shape[n_batched:]
-    return _respec(value, shape, n_batched, len(batch_shape))
+    return respec(value, shape, n_batched, len(batch_shape))
 
 
 def _write_impl(value, *, batch_shape, levels):

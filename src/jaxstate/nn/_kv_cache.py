@@ -7,10 +7,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from .._core._access import write_rows
+from .._core._context import resolve
 from .._core._index import StateIndex
 from .._core._kinds import CACHE
 from .._core._ops import get_state, set_state
-from .._core._vmap import only_eager_vmaps, stack_eager
+from .._core._vmap import only_eager_vmaps, stack_eager, vmap_sizes
 from ._util import default_float, extra_vmaps, read, writable, write
 
 
@@ -246,8 +248,20 @@ class KVCache(eqx.Module):
             values = jnp.where(
                 fits, values, lax.dynamic_slice(all_values, at, values.shape)
             )
-            all_keys = lax.dynamic_update_slice(all_keys, keys, at)
-            all_values = lax.dynamic_update_slice(all_values, values, at)
+            # Only the new rows are written, and the buffers read again after:
+            # in place, also on one layer's slice of caches stacked for
+            # `jaxstate.scan`, where writing back the whole buffers (or reading
+            # them before the write and using them after) would copy them.
+            all_keys, all_values = write_rows(
+                writable(self.buffers)._handle,
+                (
+                    lax.dynamic_update_slice(all_keys, keys, at),
+                    lax.dynamic_update_slice(all_values, values, at),
+                ),
+                (keys, values),
+                at[0],
+                "KVCache.append",
+            )
         else:
             # Real tokens to consecutive positions; padding (and everything, when
             # the tokens do not fit) to an index past the end, which is dropped.
@@ -255,7 +269,7 @@ class KVCache(eqx.Module):
             dest = jnp.where(padding_mask & fits, slot, self.max_len)
             all_keys = all_keys.at[dest].set(keys, mode="drop")
             all_values = all_values.at[dest].set(values, mode="drop")
-        set_state(writable(self.buffers), (all_keys, all_values))
+            set_state(writable(self.buffers), (all_keys, all_values))
         set_state(writable(self.position), jnp.where(fits, start + n_new, start))
         return all_keys, all_values, start, fits
 
@@ -309,19 +323,36 @@ class KVCache(eqx.Module):
         then created when the function is traced: every call of that compiled
         function uses the same state, starting empty each time.
 
+        The caches of layers stacked by `eqx.filter_vmap` (one per layer, for
+        [`jaxstate.scan`][]) stay stacked: the new one has one cache per layer
+        too, the layer axis first.
+
         **Raises:**
 
         `ValueError` for a size that is not a positive int.
         """
-        return KVCache(
-            self.max_len if max_len is None else max_len,
-            self.num_heads,
-            self.key_size,
-            self.value_size,
-            batch_size=batch_size,
-            dtype=self.dtype,
-            on_overflow=self.on_overflow,
-        )
+
+        def make() -> KVCache:
+            return KVCache(
+                self.max_len if max_len is None else max_len,
+                self.num_heads,
+                self.key_size,
+                self.value_size,
+                batch_size=batch_size,
+                dtype=self.dtype,
+                on_overflow=self.on_overflow,
+            )
+
+        for size in reversed(self._layer_axes()):
+            make = eqx.filter_vmap(make, axis_size=size)
+        return make()
+
+    def _layer_axes(self) -> tuple[int, ...]:
+        """The batch axes of this cache's state in front of its own `batch_size`
+        one, that no vmap around this call takes: those of a stack of layers."""
+        batch_shape = resolve(self.position._handle).batch_shape
+        own = 0 if self.batch_size is None else 1
+        return tuple(batch_shape[len(vmap_sizes()) : len(batch_shape) - own])
 
     @staticmethod
     def resize_all(

@@ -185,3 +185,65 @@ def test_explicit_mesh_ensemble_state_keeps_its_layout():
     stored = ensemble.unsafe_get()
     assert stored.sharding.is_equivalent_to(sharding, 2), stored.sharding
     np.testing.assert_array_equal(np.asarray(stored), 2 * np.arange(32.0).reshape(8, 4))
+
+
+@pytest.mark.parametrize(
+    "jit", [jax.jit, eqx.filter_jit, jaxstate.jit], ids=["jax.jit", "eqx", "jaxstate"]
+)
+def test_explicit_mesh_stacked_state_keeps_its_layout_through_jaxstate_scan(jit):
+    # Layers stacked by a vmap, their state sharded along its other axes (the layer
+    # axis unsharded: the scan indexes it), each iteration writing its own layer.
+    mesh = _mesh(8)
+    sharding = NamedSharding(mesh, P(None, None, "data"))
+    stack = eqx.filter_vmap(
+        lambda: jaxstate.StateIndex(init=jnp.zeros((64, 16))), axis_size=4
+    )()
+    stack = jaxstate.device_put(stack, sharding)
+
+    def body(carry, layer):
+        jaxstate.set_state(layer, jaxstate.get_state(layer) + carry)
+        return carry + 1.0, None
+
+    step = jit(lambda s, c: jaxstate.scan(body, c, s)[0])
+    for _ in range(2):
+        step(stack, jnp.float32(1.0))
+    stored = stack.unsafe_get()
+    assert stored.sharding.is_equivalent_to(sharding, 3), stored.sharding
+    assert stored.addressable_shards[0].data.shape == (4, 64, 2)
+    expected = 2 * np.arange(1.0, 5.0)[:, None, None] * np.ones((4, 64, 16))
+    np.testing.assert_array_equal(np.asarray(stored), expected)
+
+
+@pytest.mark.parametrize("jit", [eqx.filter_jit, jaxstate.jit], ids=["eqx", "jaxstate"])
+def test_explicit_mesh_stacked_caches_sharded_over_sequences(jit):
+    # Two layers' caches for 8 sequences, stacked (layers, sequences, ...), the
+    # sequences sharded; appended to by a scan over the layers, each layer under a
+    # vmap over the sequences. (A vmap over sharded sequences around a scan is
+    # refused by JAX itself, scan or not: "Resource axis: data ... not found".)
+    mesh = _mesh(8)
+    sharding = NamedSharding(mesh, P(None, "data"))
+    make = lambda: jaxstate.nn.KVCache(6, 2, 4, batch_size=8)  # noqa: E731
+    caches = jaxstate.device_put(eqx.filter_vmap(make, axis_size=2)(), sharding)
+
+    def append(caches, k):  # k: (8, 1, 2, 4), one token per sequence
+        def body(c, cache):
+            starts = jax.vmap(lambda k: cache.append(k, k)[2])(k)
+            return c + starts, None
+
+        return jaxstate.scan(body, jnp.zeros(8, jnp.int32), caches)[0]
+
+    step = jit(append)
+    # Under an explicit mesh a vmap's inputs are sharded alike along its axis.
+    k = jax.device_put(
+        jnp.arange(64.0).reshape(8, 1, 2, 4), NamedSharding(mesh, P("data"))
+    )
+    for _ in range(3):
+        step(caches, k)
+    keys, values = caches.buffers.unsafe_get()
+    assert keys.sharding.is_equivalent_to(sharding, 5), keys.sharding
+    assert keys.addressable_shards[0].data.shape == (2, 1, 6, 2, 4)
+    expected = np.broadcast_to(np.asarray(k), (3, 8, 1, 2, 4))
+    expected = np.moveaxis(expected, 0, 1).reshape(8, 3, 2, 4)
+    np.testing.assert_array_equal(np.asarray(keys)[:, :, :3], [expected] * 2)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(keys))
+    assert caches.length().tolist() == [[3] * 8] * 2
