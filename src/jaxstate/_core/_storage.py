@@ -260,9 +260,6 @@ class Key:
         young = storage.young and storage.real is None
         self.strong: Storage | None = storage if storage.traced or young else None
 
-    def get(self) -> Storage | None:
-        return self.strong or self.weak()
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Key) and other.id == self.id
 
@@ -322,7 +319,7 @@ def _flatten(handle: Handle):
 
 
 def _unflatten(key: Key, _) -> Handle:
-    storage = key.get()
+    storage = key.strong or key.weak()
     if storage is not None and storage.young and _jax.is_eager():
         storage.young = False
     return Handle(key, storage)
