@@ -31,6 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy, for reading)
 import numpy as np
 from jaxtyping import PyTree
 
@@ -128,8 +129,6 @@ def _describe(item: np.ndarray) -> str:
 def _read_array(f, shape, dtype, what: str) -> Any:
     """Reads one array written by `_write_array` and checks it against `shape` and
     `dtype`; a NumPy array, or a JAX key array."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
-
     item = _load_item(f)
     header = _parse(item)
     if header is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with NumPy, for reading)
 import numpy as np
 from jaxtyping import PyTree
 
@@ -80,7 +81,6 @@ def save(path: str | pathlib.Path, tree: PyTree, filter: Any = ...) -> None:
 def _read(path: str | pathlib.Path, fn: str) -> dict[str, Any]:
     """The entries of a file written by `save`, checked, as NumPy arrays (PRNG keys
     as key arrays); `fn` begins the messages."""
-    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
 
     def _not_ours(path, why: str) -> ValueError:
         return ValueError(
