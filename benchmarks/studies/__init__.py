@@ -14,4 +14,7 @@ feed a section of docs/performance.md or a table elsewhere in docs/.
   spends the time a `jaxstate.jit` step does not
   (`python -m benchmarks.studies.profile_filter_jit`; a section of
   docs/performance.md).
+- `versions`: two checkouts of jaxstate run alternately on the same scenarios, to
+  tell whether a change made one slower
+  (`python -m benchmarks.studies.versions OLD NEW --only S1,S5`).
 """

@@ -485,3 +485,29 @@ def test_the_readmes_speed_section_from_a_report():
     assert R.update_readme(new, report) == new
     with pytest.raises(ValueError, match="speed:start"):
         R.update_readme("# x\n", report)
+
+
+def test_the_versions_study_compares_the_rows_both_report():
+    from benchmarks.studies import versions
+
+    def report(s1: float, s5: float | None) -> str:
+        rows = [f"| S1 | jaxstate.jit / hand (blocked) | ≤ 1.15× | {s1}× | met |"]
+        if s5 is not None:
+            rows.append(
+                f"| S5 | scan / carry (blocked) | ≤ 1.2× | {s5}× | **missed** |"
+            )
+        return "\n".join(["| scenario | what | target | got | status |", *rows])
+
+    assert versions.targets(report(1.25, 2.0)) == {
+        ("S1", "jaxstate.jit / hand (blocked)"): 1.25,
+        ("S5", "scan / carry (blocked)"): 2.0,
+    }
+    old = [report(1.0, None), report(1.2, None), report(1.1, None)]
+    new = [report(1.3, 1.5), report(1.1, 1.6), report(1.2, 1.4)]
+    text = versions.table({"old": old, "new": new})
+    # Medians over the rounds, their ranges, and only the rows both versions have.
+    assert (
+        "| S1 | jaxstate.jit / hand (blocked) | 1.1× (1-1.2) | 1.2× (1.1-1.3) | 1.09 |"
+        in text
+    )
+    assert "S5" not in text
