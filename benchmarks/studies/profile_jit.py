@@ -134,7 +134,9 @@ def _clocks(wrapper, program) -> "_Clocks":
     return clocks
 
 
-def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
+def _warm(fun: Callable, args: tuple, next_args: Callable):
+    """A `jaxstate.jit` of `fun`, a call of it that passes each call's outputs on to
+    the next (`next_args`), and the arguments' box; after 20 such calls."""
     wrapper = jaxstate.jit(fun)
     state = {"args": args}
 
@@ -145,6 +147,11 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
 
     for _ in range(20):
         jax.block_until_ready(real())
+    return wrapper, real, state
+
+
+def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
+    wrapper, real, state = _warm(fun, args, next_args)
     memo = wrapper.memo
     last = memo.last
     matched = memo.match(state["args"])
@@ -274,16 +281,7 @@ def cprofile(
 ) -> list[tuple[str, float, float, float]]:
     """(function, calls per jaxstate.jit call, own µs per jaxstate.jit call,
     cumulative µs per jaxstate.jit call), by own time; under cProfile."""
-    wrapper = jaxstate.jit(fun)
-    state = {"args": args}
-
-    def real():
-        out = wrapper(*state["args"])
-        state["args"] = next_args(out, state["args"])
-        return out
-
-    for _ in range(20):
-        jax.block_until_ready(real())
+    _, real, _ = _warm(fun, args, next_args)
     prof = cProfile.Profile()
     prof.enable()
     out = None

@@ -13,9 +13,11 @@ See docs/performance.md.
 import os
 import sys
 import warnings
+from types import FrameType
 
 import equinox as eqx
 import jax
+import jaxtyping
 
 from .. import _jax
 from ._context import in_jaxstate_jit, root_trace
@@ -38,19 +40,31 @@ _INTERNAL = tuple(
 )
 
 
-def call_site_stacklevel() -> int:
-    """The `stacklevel`, for a `warnings.warn` in the caller, of the user's line
-    that called the compiled function being traced: the frame just outside the
-    outermost run of JAX's, Equinox's and jaxstate's own frames."""
+# The run-time type checker's wrappers (jaxtyping's), in the typechecked test run.
+_CHECKER = os.path.dirname(jaxtyping.__file__ or "") + os.sep
+
+
+def call_site_stacklevel(warner: FrameType) -> int:
+    """The `stacklevel`, for a `warnings.warn` in the frame `warner`, of the user's
+    line that called the compiled function being traced: the frame just outside the
+    outermost run of JAX's, Equinox's and jaxstate's own frames.
+
+    (The warner passes its own frame: a type checker's wrappers, as in the
+    typechecked test run, may lie between it and this function.)"""
     frames = []
-    frame = sys._getframe(2)  # the warner's caller: stacklevel 2
+    frame = warner
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
     for i in range(len(frames) - 1, -1, -1):
         if frames[i].f_code.co_filename.startswith(_INTERNAL):
-            return i + 3
-    return 2
+            # Past the type checker's wrapper around jaxstate's own function.
+            while i + 1 < len(frames) and frames[i + 1].f_code.co_filename.startswith(
+                _CHECKER
+            ):
+                i += 1
+            return i + 2
+    return 1
 
 
 def note_reference_path(storage) -> None:
@@ -87,5 +101,5 @@ def note_reference_path(storage) -> None:
         f"more per call). {fix} Silence this with `warnings.filterwarnings("
         '"ignore", category=jaxstate.SlowPathWarning)`.',
         SlowPathWarning,
-        stacklevel=call_site_stacklevel(),
+        stacklevel=call_site_stacklevel(sys._getframe()),
     )
