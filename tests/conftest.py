@@ -129,3 +129,12 @@ def wrong_type_raises(pytestconfig):
             info.match(match)
 
     return raises
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # What is alive once every test module is imported (JAX, Equinox, the libraries
+    # the tests port from) lives as long as the process: out of the collector's
+    # sight, so that the many `gc.collect()` calls of the lifetime and memory tests
+    # traverse only what the tests make.
+    gc.collect()
+    gc.freeze()

@@ -19,6 +19,11 @@ import jaxstate
 from tests.helpers import JITS
 
 
+# Not in the typechecked pass (conftest.py): when states are freed, through the
+# entry points other tests check.
+pytestmark = pytest.mark.not_typechecked
+
+
 class Ordinary(eqx.Module):
     weight: jax.Array
     index: jaxstate.StateIndex

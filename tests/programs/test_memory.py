@@ -14,6 +14,11 @@ import jaxstate
 from tests.helpers import run_python
 
 
+# Not in the typechecked pass (conftest.py): memory, around the entry points other
+# tests check.
+pytestmark = pytest.mark.not_typechecked
+
+
 PROBE = os.path.join(os.path.dirname(__file__), "_inplace_probe.py")
 SCAN_PROBE = os.path.join(os.path.dirname(__file__), "_scan_decode_probe.py")
 MiB = 2**20
