@@ -118,6 +118,8 @@ class Finaliser:
         self.me = self  # a cycle: freed by whichever collection comes next
     def __del__(self):
         seen.append(other.c.unsafe_get())  # (more JAX work here can crash jaxlib)
+gc.collect()
+gc.freeze()  # (what exists now out of sight: each collection below is quick)
 for threshold in range(2, 200):  # collections land at different places
     gc.collect()
     gc.set_threshold(threshold)
