@@ -16,5 +16,7 @@ feed a section of docs/performance.md or a table elsewhere in docs/.
   docs/performance.md).
 - `versions`: two checkouts of jaxstate run alternately on the same scenarios, to
   tell whether a change made one slower
-  (`python -m benchmarks.studies.versions OLD NEW --only S1,S5`).
+  (`python -m benchmarks.studies.versions OLD NEW --only S1,S5`); with
+  `--instructions`, machine instructions per step counted under callgrind, which
+  the machine's load does not move (`_count_child.py` is its child process).
 """

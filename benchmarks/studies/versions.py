@@ -12,9 +12,20 @@ its median over the rounds for each version.
 
 Compare ratios, not the µs of one run: each process has its own baseline. Old
 versions may lack newer scenarios' names (before S6d, `S6` meant S6a-c).
+
+On a shared machine, timings of a dispatch-bound step (S1: tens of µs) move by more
+than a change does. `--instructions` counts instead: each version's jaxstate rows
+and baseline run under callgrind, instrumented only around `--steps` steps, and the
+table gives machine instructions per step, on the calling thread (the host's share:
+jaxstate's Python and JAX's dispatch) and on all threads. Counts move by well under
+1% from run to run. It needs valgrind, and takes about a minute per row and version.
+
+    python -m benchmarks.studies.versions /tmp/old . --only S1 --instructions
 """
 
 import argparse
+import concurrent.futures
+import json
 import os
 import pathlib
 import re
@@ -36,13 +47,112 @@ def targets(report: str) -> dict[tuple[str, str], float]:
     }
 
 
+CHILD = pathlib.Path(__file__).with_name("_count_child.py")
+
+
+def checkout_env(checkout: pathlib.Path) -> dict[str, str]:
+    """The environment of a process that runs `checkout`'s jaxstate and benchmarks."""
+    return dict(os.environ, PYTHONPATH=f"{checkout / 'src'}{os.pathsep}{checkout}")
+
+
 def run(checkout: pathlib.Path, only: str, out: pathlib.Path) -> None:
-    env = dict(os.environ, PYTHONPATH=f"{checkout / 'src'}{os.pathsep}{checkout}")
+    env = checkout_env(checkout)
     command = [sys.executable, "-m", "benchmarks", "--only", only, "--out", str(out)]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(
             command, cwd=checkout, env=env, stdout=log, stderr=log, check=True
         )
+
+
+def module_of(checkout: pathlib.Path, scenario: str) -> str:
+    """The name of the module of `checkout/benchmarks` whose `KEY` is `scenario`."""
+    for path in sorted((checkout / "benchmarks").glob("s*_*.py")):
+        if re.search(rf'^KEY = "{re.escape(scenario)}"$', path.read_text(), re.M):
+            return path.stem
+    raise ValueError(f"{checkout} has no scenario {scenario}.")
+
+
+def rows_of(checkout: pathlib.Path, module: str) -> dict[str, int]:
+    done = subprocess.run(
+        [sys.executable, str(CHILD), module, "list"],
+        cwd=checkout,
+        env=checkout_env(checkout),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {name: index for index, name in json.loads(done.stdout.splitlines()[-1])}
+
+
+def callgrind_totals(directory: pathlib.Path) -> tuple[int, int]:
+    """(calling thread, all threads): the instructions of a callgrind run whose
+    output files (one per thread, `...-01` the first) are in `directory`."""
+    totals = {}
+    for path in directory.iterdir():
+        text = path.read_text()
+        found = re.search(r"^totals: (\d+)", text, re.M)
+        thread = re.search(r"-(\d+)$", path.name)
+        if found:
+            totals[int(thread[1]) if thread else 1] = int(found[1])
+    return totals.get(1, 0), sum(totals.values())
+
+
+def count(checkout: pathlib.Path, module: str, index: int, steps: int):
+    """Instructions per step of one variant: (calling thread, all threads)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--separate-threads=yes",
+            f"--callgrind-out-file={tmp}/cg.out",
+            sys.executable,
+            str(CHILD),
+            module,
+            "count",
+            str(index),
+            str(steps),
+        ]
+        subprocess.run(
+            command,
+            cwd=checkout,
+            env=checkout_env(checkout),
+            capture_output=True,
+            check=True,
+        )
+        main, total = callgrind_totals(pathlib.Path(tmp))
+    return main / steps, total / steps
+
+
+def instructions(
+    checkouts: dict[str, pathlib.Path], scenarios: list[str], steps: int
+) -> str:
+    """Markdown: instructions per step of each row both versions have, the two
+    versions of a row counted side by side (one core each)."""
+    lines = [
+        "| scenario | step | calling thread, old | new | new / old "
+        "| all threads, old | new | new / old |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for scenario in scenarios:
+        modules = {side: module_of(c, scenario) for side, c in checkouts.items()}
+        rows = {side: rows_of(c, modules[side]) for side, c in checkouts.items()}
+        for name in [n for n in rows["new"] if n in rows["old"]]:
+            print(f"{scenario}: {name}", file=sys.stderr, flush=True)
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                jobs = {
+                    side: pool.submit(count, c, modules[side], rows[side][name], steps)
+                    for side, c in checkouts.items()
+                }
+                (old_main, old_all), (new_main, new_all) = (
+                    jobs[s].result() for s in ("old", "new")
+                )
+            lines.append(
+                f"| {scenario} | {name} | {old_main:,.0f} | {new_main:,.0f} | "
+                f"{new_main / old_main:.3f} | {old_all:,.0f} | {new_all:,.0f} | "
+                f"{new_all / old_all:.3f} |"
+            )
+    return "\n".join(lines)
 
 
 def table(reports: dict[str, list[str]]) -> str:
@@ -76,7 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default="S1,S5,S6a,S6b,S6c")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count instructions per step under callgrind instead of timing",
+    )
+    parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
+    if args.instructions:
+        checkouts = {"old": args.old.resolve(), "new": args.new.resolve()}
+        print(instructions(checkouts, args.only.split(","), args.steps))
+        return
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="versions-"))
     out.mkdir(parents=True, exist_ok=True)
     reports: dict[str, list[str]] = {"old": [], "new": []}

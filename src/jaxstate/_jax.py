@@ -195,7 +195,9 @@ def buffer_commitment_of_refs() -> None:
     this does the same for references."""
     if getattr(_core.Ref, "_jaxstate_commitment", False):
         return
-    commitment = property(lambda ref: ref._refs._buf._committed)
+    # An `attrgetter`, not a lambda: JAX reads this for each reference on every
+    # call, and a getter written in C runs no Python frame.
+    commitment = property(operator.attrgetter("_refs._buf._committed"))
     _core.Ref.committed = _core.Ref._committed = commitment  # pyright: ignore
     _core.Ref._jaxstate_commitment = True  # pyright: ignore
 
@@ -290,9 +292,12 @@ def checkify_predicates(error: Any) -> list:
     return list(error._pred.values())
 
 
-def jit_disabled() -> bool:
-    """Whether `jax.disable_jit()` is on."""
-    return _config.disable_jit.value
+def eager_and_jitting() -> bool:
+    """Whether a `jaxstate.jit` call runs its compiled program: in eager code, with
+    `jax.disable_jit()` off (one function: this runs on every call)."""
+    return type(_core.trace_ctx.trace) is _core.EvalTrace and not (
+        _config.disable_jit.value
+    )
 
 
 def debugging_nans() -> bool:

@@ -511,3 +511,44 @@ def test_the_versions_study_compares_the_rows_both_report():
         in text
     )
     assert "S5" not in text
+
+
+def test_the_versions_study_counts_instructions_per_thread(tmp_path):
+    from benchmarks.studies import versions
+
+    # callgrind's files with `--separate-threads=yes`: one per thread, the calling
+    # thread's ending in -01; a file without a thread number is a one-thread run.
+    (tmp_path / "cg.out-01").write_text("events: Ir\nsummary: 0\ntotals: 3000\n")
+    (tmp_path / "cg.out-02").write_text("events: Ir\ntotals: 500\n")
+    (tmp_path / "cg.out-03").write_text("events: Ir\n")  # no totals yet: skipped
+    assert versions.callgrind_totals(tmp_path) == (3000, 3500)
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "cg.out").write_text("totals: 42\n")
+    assert versions.callgrind_totals(single) == (42, 42)
+    # Scenarios are found by their `KEY`, whatever the version names the file.
+    assert versions.module_of(ROOT, "S1") == "s1_dispatch"
+    assert versions.module_of(ROOT, "S6c") == "s6_decode"
+    with pytest.raises(ValueError, match="no scenario S99"):
+        versions.module_of(ROOT, "S99")
+
+
+def test_the_instruction_count_child_lists_the_rows_to_count():
+    import json
+    import subprocess
+
+    from benchmarks.studies import versions
+
+    done = subprocess.run(
+        [sys.executable, str(versions.CHILD), "s1_dispatch", "list"],
+        cwd=ROOT,
+        env=versions.checkout_env(ROOT),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    names = [name for _, name in json.loads(done.stdout.splitlines()[-1])]
+    # The baseline and the jaxstate rows only: peers are not the change measured.
+    assert names[0] == s1_dispatch.BASELINE
+    assert "jaxstate.jit" in names
+    assert not any("Flax" in n or "Haiku" in n or "Equinox" in n for n in names)

@@ -99,17 +99,24 @@ def take(ids: list[int]) -> bool:
     In that order: an interrupt between the marking and the `try` that gives them
     back would otherwise leave them marked forever.
     """
+    # `take` and `give` run on every call: `_acquire` and `_release` are inlined.
+    global _holder
     opened = enter_critical()
     try:
         me = _get_ident()
-        acquired = _acquire(me)
+        nested = _holder == me
+        if not nested:
+            _lock.acquire()
+            _holder = me
         try:
             if _busy:
-                _wait_free(ids, not acquired)
+                _wait_free(ids, nested)
             for i in ids:
                 _busy[i] = me
         finally:
-            _release(acquired)
+            if not nested:
+                _holder = None
+                _lock.release()
     except BaseException:
         exit_critical(opened)
         raise
@@ -119,14 +126,21 @@ def take(ids: list[int]) -> bool:
 def give(ids: list[int], opened: bool) -> None:
     """Undoes `take`: the states are free again, then the section closes (raising
     an interrupt that came during it)."""
-    acquired = _acquire(_get_ident())
+    global _holder
+    me = _get_ident()
+    nested = _holder == me
+    if not nested:
+        _lock.acquire()
+        _holder = me
     try:
         for i in ids:
             del _busy[i]
         if _waiting:
             _cond.notify_all()
     finally:
-        _release(acquired)
+        if not nested:
+            _holder = None
+            _lock.release()
     if opened:
         exit_critical(opened)
 

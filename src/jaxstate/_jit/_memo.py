@@ -9,7 +9,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ._parts import analyse, combine, EMPTY, is_array, Part
+from ._parts import analyse, ARRAY_KIND, combine, EMPTY, is_array, kind, KIND_OF, Part
 
 
 class _Held:
@@ -136,7 +136,8 @@ class Memo:
         for i, arg in enumerate(args, 2):
             key = keys[i]
             if key is None:
-                if not is_array(arg):
+                # (`is_array`, inlined: this runs for every array argument.)
+                if (KIND_OF.get(type(arg)) or kind(type(arg))) != ARRAY_KIND:
                     return None
                 arrays.append(arg)
                 continue

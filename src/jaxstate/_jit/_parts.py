@@ -39,22 +39,22 @@ class Slot(NamedTuple):
     signature: int | None
 
 
-_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
+KIND_OF: dict[type, int] = {Handle: _HANDLE_KIND}
 
 
 def kind(cls: type) -> int:
     """Whether leaves of `cls` are arrays, handles or static (cached per type:
     `isinstance(x, jax.Array)` goes through an ABC check)."""
-    k = _kinds.get(cls)
+    k = KIND_OF.get(cls)
     if k is None:
-        k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
+        k = KIND_OF[cls] = ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
     return k
 
 
 def is_array(x) -> bool:
-    return (_kinds.get(type(x)) or kind(type(x))) == _ARRAY_KIND
+    return (KIND_OF.get(type(x)) or kind(type(x))) == ARRAY_KIND
 
 
 def is_leaf(x) -> bool:
@@ -146,7 +146,6 @@ class Part:
         arrays: list,
         storages: list[Storage],
         handles: list[Handle],
-        *,
         holders_: list | None = None,
         ids: list[int] | None = None,
         indices: dict | None = None,
@@ -200,8 +199,8 @@ def analyse(tree) -> Part:
     slot_of: dict[int, int] = {}
     fixed = True
     for leaf in leaves:
-        k = _kinds.get(type(leaf)) or kind(type(leaf))
-        if k == _ARRAY_KIND:
+        k = KIND_OF.get(type(leaf)) or kind(type(leaf))
+        if k == ARRAY_KIND:
             arrays.append(leaf)
             spec.append(ARRAY)
         elif k == _HANDLE_KIND:

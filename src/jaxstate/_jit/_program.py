@@ -130,42 +130,45 @@ class Program:
     def run(self, storages: list, inputs: tuple, hide_warning: bool) -> Any:
         """Calls the program with `inputs` for the states `storages`, tracing and
         compiling it first if needed."""
-        self._tracing.storages = storages
+        tracing = self._tracing
+        tracing.storages = storages
         try:
             if self.fresh or _jax.debugging_nans():
-                return self._first(lambda jitted: jitted(*inputs), hide_warning)
-            return self.retrying(lambda jitted: jitted(*inputs))
+                return self._first(inputs, hide_warning)
+            return self.retrying(inputs)
         finally:
-            self._tracing.storages = ()
+            tracing.storages = ()
 
     def lower(self, storages: list, inputs: tuple) -> Any:
         self._tracing.storages = storages
         try:
-            return self.retrying(lambda jitted: jitted.lower(*inputs))
+            return self.retrying(inputs, lower=True)
         finally:
             self._tracing.storages = ()
 
-    def _first(self, use, hide_warning: bool) -> Any:
+    def _first(self, inputs: tuple, hide_warning: bool) -> Any:
         with warnings.catch_warnings():
             if hide_warning:
                 warnings.filterwarnings("ignore", "Some donated buffers")
             if _jax.debugging_nans():
-                out = use(self.undonated())
+                out = self.undonated()(*inputs)
             else:
-                out = self.retrying(use)
+                out = self.retrying(inputs)
         self.fresh = False
         return out
 
-    def retrying(self, use) -> Any:
-        """`use(jitted)`; again, undonated from then on, if the trace turned out to
-        be of a program that can fail while running (for new shapes, JAX may trace
-        a program again, and the new one may add a check)."""
+    def retrying(self, inputs: tuple, lower: bool = False) -> Any:
+        """The program called (or lowered) with `inputs`; again, undonated from then
+        on, if the trace turned out to be of a program that can fail while running
+        (for new shapes, JAX may trace a program again, and the new one may add a
+        check)."""
+        jitted = self.jitted
         try:
-            return use(self.jitted)
+            return jitted.lower(*inputs) if lower else jitted(*inputs)
         except _Undonate:
             self.donating = False
             self.jitted = self.undonated()
-            return use(self.jitted)
+            return self.retrying(inputs, lower)
 
     def _inner(self, kept, donated, bufs, _):
         top = _jax.current_trace()

@@ -71,7 +71,7 @@ class _JitWrapper:
         functools.update_wrapper(self, fun, updated=())  # pyright: ignore
 
     def __call__(self, *args, **kwargs):
-        if not _jax.is_eager() or _jax.jit_disabled():
+        if not _jax.eager_and_jitting():
             # Inside another transform: trace through, like a nested `jax.jit`;
             # under `jax.disable_jit()`: run eagerly, as `jax.jit` does.
             return self.fun(*args, **kwargs)
@@ -83,13 +83,7 @@ class _JitWrapper:
             last = self.memo.last
             assert last is not None
             (arrays, call), program, first = matched, last.program, last.n_first
-        return self.execute(
-            program,
-            call,
-            arrays,
-            first,
-            lambda inputs: program.run(call.storages, inputs, self.hide_warning),
-        )
+        return self.execute(program, call, arrays, first)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -151,12 +145,17 @@ class _JitWrapper:
         return arrays[:first], arrays[first:]
 
     def execute(
-        self, program: Program, call: Part, arrays: list, first: int, run
+        self,
+        program: Program,
+        call: Part,
+        arrays: list,
+        first: int,
+        executable: Callable | None = None,
     ) -> Any:
-        """One call: `run(inputs)` with the states checked out, their new buffers
-        swapped in, and the output rebuilt. (`call` is the call's part, or on the
-        fast path the one argument part that reaches its states: `arrays` are the
-        call's.)"""
+        """One call: the program run (or `executable`, its ahead-of-time compiled
+        form, called) with the states checked out, their new buffers swapped in, and
+        the output rebuilt. (`call` is the call's part, or on the fast path the one
+        argument part that reaches its states: `arrays` are the call's.)"""
         if program.closed and any(s.id in program.closed for s in call.storages):
             raise passed_and_closed("jaxstate.jit")
         kept, donated = self._split(arrays, first)
@@ -166,7 +165,11 @@ class _JitWrapper:
         opened = take(ids)
         try:
             inputs = (kept, donated, _jax.holder_buffers(holders), None)
-            out_arrays, static, new_bufs = run(inputs)
+            if executable is None:
+                out = program.run(call.storages, inputs, self.hide_warning)
+            else:
+                out = executable(*inputs)
+            out_arrays, static, new_bufs = out
             _jax.set_holder_buffers(holders, new_bufs)
         finally:
             give(ids, opened)
@@ -245,9 +248,7 @@ class AotCompiled:
                 "structure or other static values. Lower it again for these, or "
                 "call `jaxstate.jit(f)` itself."
             )
-        return wrapper.execute(
-            program, call, call.arrays, first, lambda inputs: self._executable(*inputs)
-        )
+        return wrapper.execute(program, call, call.arrays, first, self._executable)
 
     def __getattr__(self, name: str):
         return getattr(self._executable, name)
