@@ -9,7 +9,7 @@ from typing import Any
 
 import equinox as eqx
 
-from ._parts import analyse, ARRAY_KIND, combine, EMPTY, is_array, kind, KIND_OF, Part
+from ._parts import analyse, combine, EMPTY, is_array, Part
 
 
 class _Held:
@@ -136,8 +136,7 @@ class Memo:
         for i, arg in enumerate(args, 2):
             key = keys[i]
             if key is None:
-                # (`is_array`, inlined: this runs for every array argument.)
-                if (KIND_OF.get(type(arg)) or kind(type(arg))) != ARRAY_KIND:
+                if not is_array(arg):
                     return None
                 arrays.append(arg)
                 continue

@@ -160,17 +160,7 @@ class OutPart:
             return None
         key, numbers, in_order = self._template
         if in_order and len(numbers) == len(call.storages):
-            # `call.sharing(key, arrays)`, inlined and with positional arguments: this
-            # runs on every call.
-            return Part(
-                key,
-                arrays,
-                call.storages,
-                call.handles,
-                call.holders,
-                call.ids,
-                call.indices,
-            )
+            return call.sharing(key, arrays)
         storages = [call.storages[n] for n in numbers]
         handles = [call.handles[n] for n in numbers]
         return Part(key, arrays, storages, handles, holders_=holders(storages))

@@ -39,22 +39,22 @@ class Slot(NamedTuple):
     signature: int | None
 
 
-ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-KIND_OF: dict[type, int] = {Handle: _HANDLE_KIND}
+_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
 
 
 def kind(cls: type) -> int:
     """Whether leaves of `cls` are arrays, handles or static (cached per type:
     `isinstance(x, jax.Array)` goes through an ABC check)."""
-    k = KIND_OF.get(cls)
+    k = _kinds.get(cls)
     if k is None:
-        k = KIND_OF[cls] = ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
+        k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
     return k
 
 
 def is_array(x) -> bool:
-    return (KIND_OF.get(type(x)) or kind(type(x))) == ARRAY_KIND
+    return (_kinds.get(type(x)) or kind(type(x))) == _ARRAY_KIND
 
 
 def is_leaf(x) -> bool:
@@ -172,18 +172,23 @@ class Part:
         # Whether the argument may change in place (never remembered).
         self.mutable = mutable
 
-    def sharing(self, key, arrays: list, **kwargs) -> "Part":
+    def sharing(
+        self, key, arrays: list, statics: Sequence[Storage] = (), fixed: bool = True
+    ) -> "Part":
         """A part with this part's states (and their numbering), and `key` and
         `arrays` of its own."""
+        # Positional arguments: this runs on every `jaxstate.jit` call (for the
+        # returned model), and a call with keywords costs about 2% of that path.
         return Part(
             key,
             arrays,
             self.storages,
             self.handles,
-            holders_=self.holders,
-            ids=self.ids,
-            indices=self.indices,
-            **kwargs,
+            self.holders,
+            self.ids,
+            self.indices,
+            statics,
+            fixed,
         )
 
     def layout(self) -> "Part":
@@ -199,8 +204,8 @@ def analyse(tree) -> Part:
     slot_of: dict[int, int] = {}
     fixed = True
     for leaf in leaves:
-        k = KIND_OF.get(type(leaf)) or kind(type(leaf))
-        if k == ARRAY_KIND:
+        k = _kinds.get(type(leaf)) or kind(type(leaf))
+        if k == _ARRAY_KIND:
             arrays.append(leaf)
             spec.append(ARRAY)
         elif k == _HANDLE_KIND:
