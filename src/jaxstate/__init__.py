@@ -1,8 +1,9 @@
 """jaxstate: mutable state for JAX and Equinox, kept on the device."""
 
+import os as _os
 from importlib import metadata as _metadata
 
-from . import kinds as kinds, nn as nn
+from . import _jax, kinds as kinds, nn as nn
 from ._checkpoint._equinox import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,
@@ -37,3 +38,6 @@ from ._pure._shard_map import device_put as device_put, shard_map as shard_map
 
 
 __version__ = _metadata.version("jaxstate")
+
+# jaxstate's frames are left out of filtered tracebacks, as JAX's and Equinox's are.
+_jax.hide_frames_of(_os.path.dirname(__file__) + _os.sep)

@@ -19,8 +19,13 @@ from typing import Any
 
 import jax
 import jax.core
-from jax._src import config as _config, core as _core
-from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+from jax._src import config as _config, core as _core, traceback_util as _traceback
+from jax._src.interpreters import (
+    ad as _ad,
+    batching as _batching,
+    mlir as _mlir,
+    partial_eval as _pe,
+)
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
 from jax._src.shard_map import ShardMapTrace as _ShardMapTrace
 from jax._src.state import indexing as _indexing, primitives as _state_primitives
@@ -61,6 +66,17 @@ def enclosing_traces(trace: Any = None) -> Iterator[Any]:
     while trace is not None:
         yield trace
         trace = getattr(trace, "parent_trace", None)
+
+
+def building_a_program() -> bool:
+    """Whether the current trace, or one it was started from, builds a program: the
+    body of a compiled function, a loop or a branch (a `DynamicJaxprTrace`), or of
+    an eager `shard_map`. Not so for eager code and the eager transforms (`grad`,
+    `vmap`, `jvp`, `linearize`) around it."""
+    return any(
+        isinstance(t, (_pe.DynamicJaxprTrace, _ShardMapTrace))
+        for t in enclosing_traces()
+    )
 
 
 def eval_trace() -> Any:
@@ -298,6 +314,18 @@ def eager_and_jitting() -> bool:
     return type(_core.trace_ctx.trace) is _core.EvalTrace and not (
         _config.disable_jit.value
     )
+
+
+def jit_disabled() -> bool:
+    """Whether `jax.disable_jit()` is on."""
+    return bool(_config.disable_jit.value)
+
+
+def hide_frames_of(path: str) -> None:
+    """Leaves the frames of files under `path` out of the tracebacks JAX filters
+    (as JAX and Equinox do for their own), and out of the frames `eqx.error_if`
+    shows."""
+    _traceback.register_exclusion(path)
 
 
 def debugging_nans() -> bool:

@@ -1,17 +1,20 @@
-"""One test per assumption `src/jaxstate/_jax.py` makes about JAX's internals.
+"""One test per assumption `src/jaxstate/_jax.py` makes about JAX's internals (and
+`src/jaxstate/_equinox.py` about Equinox's).
 
 When JAX changes, these say which assumption broke, before the library's own
 tests fail in harder-to-read ways. See docs/design.md, "JAX's internals"."""
 
 import contextlib
+import logging
 
+import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxstate import _jax
+from jaxstate import _equinox, _jax
 from jaxstate._core import _patches
 from tests.helpers import run_python
 
@@ -42,6 +45,24 @@ def test_traces_link_to_the_trace_they_started_from():
     sizes = [_jax.batch_size(t) for t in chain if _jax.is_batch_trace(t)]
     assert sizes == [3, 2]  # innermost first
     assert [_jax.parent_trace(t) for t in chain[:-1]] == chain[1:]
+
+
+def test_building_a_program_inside_bodies_but_not_under_eager_transforms():
+    out, probe = _seen(_jax.building_a_program)
+    probe()
+    jax.grad(lambda x: probe(x) * 2.0)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.jvp(probe, (1.0,), (1.0,))
+    jax.jit(probe)(1.0)
+    lax.scan(lambda c, x: (c, probe(x)), 0.0, jnp.ones(2))
+    jax.vmap(jax.jit(probe))(jnp.ones(2))
+    assert out == [False, False, False, False, True, True, True]
+
+
+def test_jit_disabled_reads_the_config():
+    assert not _jax.jit_disabled()
+    with jax.disable_jit():
+        assert _jax.jit_disabled()
 
 
 def test_traced_for_names_what_a_trace_is_for():
@@ -297,3 +318,37 @@ def test_references_take_their_commitment_from_their_buffer():
         timeout=120,
     )
     assert result.stdout.strip() == "True"
+
+
+#
+# Equinox's internals (`_equinox.py`).
+#
+
+
+def test_equinox_error_if_smuggles_its_message_and_stack_out():
+    f = jax.jit(lambda x: eqx.error_if(x, x < 0, "negative here"))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("jax._src.callback")
+    logger.addHandler(handler)
+    try:
+        with _equinox.quiet_callback_failures():
+            with pytest.raises(jax.errors.JaxRuntimeError) as info:
+                jax.block_until_ready(f(-1.0))
+        with pytest.raises(jax.errors.JaxRuntimeError):
+            jax.block_until_ready(f(-1.0))  # not quieted: JAX logs it
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == 1
+    error = _equinox.runtime_error(info.value, b"no such call")
+    assert isinstance(error, eqx.EquinoxRuntimeError)
+    assert "negative here" in str(error)
+    assert _equinox.runtime_error(ValueError("other"), b"") is None
+
+
+def test_equinox_runs_registered_clears_on_clear_caches():
+    cleared = []
+    _equinox.on_clear_caches(lambda: cleared.append(None))
+    eqx.clear_caches()
+    assert cleared == [None]

@@ -52,7 +52,7 @@ def test_a_training_loop_never_flattens_its_model_again(monkeypatch):
     # The model is worked out on the first call only; its successors come back
     # with their parts.
     assert calls == ["Two"]
-    assert len(step.cache) == 1
+    assert len(step.programs.by_key) == 1
     np.testing.assert_allclose(model.weight, 2.0**5)
     np.testing.assert_allclose(model.a.unsafe_get(), 3 * (1 + 2 + 3 + 4 + 5))
 
@@ -73,7 +73,7 @@ def test_returned_module_key_equals_a_fresh_one(monkeypatch):
     copy = jtu.tree_map(lambda x: x, model)
     step(copy)
     step(model)
-    assert len(traces) == 1 and len(step.cache) == 1
+    assert len(traces) == 1 and len(step.programs.by_key) == 1
     assert model.b.unsafe_get() == 4
 
 

@@ -69,7 +69,7 @@ def test_two_models_of_one_structure_keep_their_own_states():
     for _ in range(4):
         a, _ = step(a, jnp.ones(2))
         b, _ = step(b, jnp.zeros(2))
-    assert len(step.cache) == 1
+    assert len(step.programs.by_key) == 1
     assert float(a.count.unsafe_get()) == 4
     assert float(b.count.unsafe_get()) == 104
     np.testing.assert_allclose(a.weight, 5.0)

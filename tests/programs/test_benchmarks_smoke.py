@@ -1,6 +1,6 @@
 """Smoke test of the benchmark suite (benchmarks/, `python -m benchmarks`).
 
-Runs S1, S5 and the three real programs of S6 with tiny round counts and checks
+Runs S1, S5, S8 (its 6-block rows) and the three real programs of S6 with tiny round counts and checks
 that every variant computes the same numbers (loss, parameters and state after the
 same steps) and that the results tables have the expected rows; runs the time to
 first step (S6a's fresh builds, S6d as `--quick` runs it, and S7's stacks at two
@@ -37,6 +37,7 @@ from benchmarks import (  # noqa: E402
     s6_mlp,
     s6_resnet,
     s7_deep,
+    s8_containers,
 )
 from benchmarks._harness import (  # noqa: E402
     check,
@@ -63,6 +64,7 @@ STEPS = 4
 MODULES = [
     pytest.param(s1_dispatch, id="S1"),
     pytest.param(s5_loops, id="S5"),
+    pytest.param(s8_containers, id="S8"),
     pytest.param(s6_mlp, id="S6a", marks=pytest.mark.slow),
     pytest.param(s6_cnn, id="S6b", marks=pytest.mark.slow),
     pytest.param(s6_decode, id="S6c", marks=pytest.mark.slow),

@@ -137,6 +137,32 @@ def test_jax_private_parts_only_through_the_jax_module(name):
     assert re.search(r"\._buf\b", text) is None
 
 
+@pytest.mark.parametrize("name", sorted(set(MODULES) - {"jaxstate._equinox"}))
+def test_equinox_private_parts_only_through_the_equinox_module(name):
+    tree = ast.parse(MODULES[name].read_text())
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("equinox")
+        for alias in node.names
+        if alias.name.startswith("_") or "._" in (node.module or "")
+    ] + [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+        if alias.name.startswith("equinox._")
+    ]
+    assert private == []
+
+
+def test_a_private_equinox_import_would_be_found():
+    assert "jaxstate._equinox" in MODULES
+    text = MODULES["jaxstate._equinox"].read_text()
+    assert "from equinox import _caches, _jit" in text
+
+
 def test_the_design_map_names_every_file():
     design = (ROOT / "docs" / "design.md").read_text()
     files = [

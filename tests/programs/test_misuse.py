@@ -20,6 +20,7 @@ import builtins
 import dataclasses
 import gc
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -112,7 +113,7 @@ EXPECTED = {
     "bn-momentum",
     "bn-inference-mode-jax-jit",
 }
-ALLOWED = {"same-index-twice"}
+ALLOWED = {"same-index-twice", "passed-and-closed", "mixed-halves"}
 # Entries that pass a wrongly typed argument: the typechecked run may reject it
 # before jaxstate does (see `wrong_type_raises` in conftest.py) ...
 WRONG_TYPES = {
@@ -175,7 +176,14 @@ def test_the_catalogue_and_this_file_list_the_same_misuses():
 
 
 def _namespace() -> dict:
-    return {"eqx": eqx, "jax": jax, "jnp": jnp, "lax": lax, "jaxstate": jaxstate}
+    return {
+        "eqx": eqx,
+        "jax": jax,
+        "jnp": jnp,
+        "lax": lax,
+        "jaxstate": jaxstate,
+        "warnings": warnings,
+    }
 
 
 def _indices(namespace: dict) -> list[jaxstate.StateIndex]:

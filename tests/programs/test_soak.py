@@ -120,9 +120,10 @@ def test_soak_many_models_memory_returns_to_baseline():
     print(
         f"soak: {N_MODELS - WARM_UP} models in {elapsed:.1f} s; RSS {start_rss:.0f} -> "
         f"{end_rss:.0f} MiB ({growth:+.1f} MiB); live arrays {start_arrays} -> "
-        f"{len(jax.live_arrays())}; jaxstate.jit compilations: {len(fast_step.cache)}; "
+        f"{len(jax.live_arrays())}; jaxstate.jit compilations: "
+        f"{len(fast_step.programs.by_key)}; "
         f"state kept by jax.jit until clear_cache: {kept_mib:.0f} MiB"
     )
-    assert len(fast_step.cache) == 1
+    assert len(fast_step.programs.by_key) == 1
     assert len(jax.live_arrays()) <= start_arrays
     assert growth < 50, f"resident memory grew by {growth:.1f} MiB"

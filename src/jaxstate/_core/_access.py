@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 from .. import _jax
 from ._buffers import commit, snapshot
 from ._checks import array_leaves, check_fits
-from ._context import check_not_passed_in, resolve
+from ._context import note_reached, resolve
 from ._create import create
 from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
@@ -101,7 +101,7 @@ def _in_layout(value, ref):
 def write(handle: Handle, state: Any, fn: str) -> None:
     """Stores `state` (one vmap member's value) as the state of `handle`."""
     storage = resolve(handle)
-    check_not_passed_in(storage, fn)
+    note_reached(storage)
     leaves, treedef = array_leaves(state, fn, "state")
     if not is_set(storage) and create(storage, leaves, treedef, fn):
         return
@@ -151,7 +151,7 @@ def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> An
     ):
         write(handle, state, fn)
         return state
-    check_not_passed_in(storage, fn)
+    note_reached(storage)
     leaves, treedef = array_leaves(state, fn, "state")
     check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
     row_leaves = jtu.tree_leaves(rows)
@@ -190,7 +190,7 @@ def _stored_aval(ref) -> Any:
 def read(handle: Handle, like: Any, fn: str) -> Any:
     """The state of `handle` as one vmap member sees it, checked against `like`."""
     storage = resolve(handle)
-    check_not_passed_in(storage, fn)
+    note_reached(storage)
     if not is_set(storage):
         raise _not_set(storage)
     assert storage.refs is not None

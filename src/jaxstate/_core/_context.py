@@ -1,5 +1,5 @@
 """What the current trace is doing with state: which states a `jaxstate.jit` trace was
-passed (so that the same state reached by closure can be refused), and which states
+passed (so that the same state reached by closure can be seen), and which states
 are redirected to stand-ins (`to_pure`, `shard_map`, `jaxstate.scan`).
 
 One thread-local record; nothing here knows what a storage holds.
@@ -29,8 +29,8 @@ def root_trace() -> Any:
 #
 # While `jaxstate.jit` traces, the states passed in its arguments are replaced by
 # stand-ins holding local references. Reaching one of those states through another
-# path (an index the function closes over) would read and write a different copy,
-# so it is refused.
+# path (an index the function closes over) would read and write a different copy:
+# the call is made again, with that state taken by reference everywhere.
 #
 
 
@@ -53,21 +53,24 @@ def in_jaxstate_jit() -> bool:
     return getattr(_tracing, "ids", None) is not None
 
 
-def check_not_passed_in(storage: Any, fn: str) -> None:
+class ReachedByClosure(Exception):
+    """Raised while a `jaxstate.jit` function is traced, when it reaches a state
+    passed in its arguments through an index it closes over (or one in static
+    data), where the two paths would see different copies: the call is made again
+    with those states taken by reference by every path (`_jit/_parts.pinned`), as
+    under `eqx.filter_jit`."""
+
+    def __init__(self, ids: set[int]):
+        super().__init__(ids)
+        self.ids = ids
+
+
+def note_reached(storage: Any) -> None:
     if storage.id in (getattr(_tracing, "ids", None) or ()):
-        raise passed_and_closed(fn)
+        raise ReachedByClosure({storage.id})
     closed = getattr(_tracing, "closed", None)
     if closed is not None and storage.real is None:
         closed.add(storage.id)
-
-
-def passed_and_closed(fn: str) -> RuntimeError:
-    return RuntimeError(
-        f"`{fn}` reached a state that is also passed in the arguments of the "
-        "enclosing `jaxstate.jit` function, through an index the function closes "
-        "over. The two paths would see different copies; pass the model as an "
-        "argument only (or only close over it)."
-    )
 
 
 #

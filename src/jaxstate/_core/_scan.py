@@ -24,7 +24,7 @@ import jax.tree_util as jtu
 
 from .. import _jax
 from ._access import check_not_scanned, check_traced
-from ._context import check_not_passed_in, redirected, resolve
+from ._context import note_reached, redirected, resolve
 from ._local import SliceRef
 from ._storage import describe_unset, Handle, is_set, Storage, traits, with_traits
 
@@ -80,7 +80,7 @@ def _stacked_states(xs: Any, length: int | None) -> tuple[dict[int, Storage], in
                 "first axis. Put only layers built by one `eqx.filter_vmap` in "
                 "`xs`; pass state shared by the layers in `init` or close over it."
             )
-        check_not_passed_in(storage, "jaxstate.scan")
+        note_reached(storage)
         check_not_scanned(handle, storage, "jaxstate.scan")
         if not _jax.is_eager():
             check_traced(handle, storage, "jaxstate.scan")

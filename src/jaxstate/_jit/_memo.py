@@ -9,7 +9,11 @@ from typing import Any
 
 import equinox as eqx
 
-from ._parts import analyse, combine, EMPTY, is_array, Part
+from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
+
+
+# What is remembered: objects whose part can change only where a guard sees it.
+_REMEMBERED = (eqx.Module, tuple, list, dict)
 
 
 class _Held:
@@ -72,7 +76,7 @@ class Memo:
 
     def __init__(self, fun):
         self._fun = fun
-        self.fun = analyse(fun)
+        self.fun = function_part(fun)
         self.entries: dict[int, tuple[Any, Part]] = {}
         self.used: dict[int, tuple[Any, Part]] = {}
         self.last: Last | None = None
@@ -80,7 +84,7 @@ class Memo:
     def fun_part(self) -> Part:
         # Worked out again until its states have values.
         if not self.fun.fixed:
-            self.fun = analyse(self._fun)
+            self.fun = function_part(self._fun)
         return self.fun
 
     def parts(self, args: tuple, kwargs: dict) -> list:
@@ -99,10 +103,12 @@ class Memo:
         key = id(tree)
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is tree:
-            self.used[key] = entry
-            return entry[1]
+            guard = entry[1].guard
+            if guard is None or guard.intact():
+                self.used[key] = entry
+                return entry[1]
         part = analyse(tree)
-        if part.fixed and not part.mutable and isinstance(tree, (eqx.Module, tuple)):
+        if part.fixed and not part.mutable and isinstance(tree, _REMEMBERED):
             self.remember(tree, part)
         return part
 
@@ -146,6 +152,9 @@ class Memo:
             part = entry[1]
             if part.key is not key:
                 return None
+            guard = part.guard
+            if guard is not None and not guard.intact():
+                return None
             if part.storages:
                 if storages is not None and not _same(part.storages, storages[i]):
                     return None
@@ -155,12 +164,13 @@ class Memo:
         return arrays, (call if last.call is None else last.call)
 
     def remember(self, tree, part: Part) -> None:
-        # (`issubclass` of the type: `isinstance` on a module goes through
-        # Equinox's `__getattribute__`.)
-        if issubclass(type(tree), tuple):
-            self.used[id(tree)] = (_Held(tree), part)
-        else:
+        # Modules by weak reference; tuples, lists and dicts, which have none, until
+        # the next call. (`issubclass` of the type: `isinstance` on a module goes
+        # through Equinox's `__getattribute__`.)
+        if issubclass(type(tree), eqx.Module):
             self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
+        else:
+            self.used[id(tree)] = (_Held(tree), part)
 
     def _drop(self, ref) -> None:
         # The module died: forget its part (there are only a call's few entries).

@@ -12,16 +12,8 @@ from .. import _jax
 from .._core._flag import Flag
 from .._core._index import StateIndex
 from .._core._storage import Handle
-from ._parts import (
-    ARRAY,
-    holders,
-    is_array,
-    is_leaf,
-    Part,
-    Slot,
-    static_handles,
-    unchanging,
-)
+from ._guards import container_paths, guard_of, unchanging
+from ._parts import ARRAY, holders, is_array, is_leaf, Part, Slot, static_handles
 
 
 class OutIndex(NamedTuple):
@@ -53,6 +45,7 @@ class OutPart:
         "_array_pos",
         "_slot_pos",
         "_index_pos",
+        "_paths",
         "_template",
     )
 
@@ -88,8 +81,12 @@ class OutPart:
         self.n = sum(s is ARRAY for s in spec)
         self.only_arrays = self.n == len(spec)
         self.is_leaf = self.n == len(spec) == 1 and jtu.treedef_is_leaf(self.treedef)
-        # Modules and tuples (e.g. an optax state) are remembered when returned.
-        self.module = isinstance(out, (eqx.Module, tuple))
+        # Modules, tuples (e.g. an optax state), lists and dicts are remembered
+        # when returned.
+        self.module = isinstance(out, (eqx.Module, tuple, list, dict))
+        # The paths to the lists and dicts inside, to guard the returned part.
+        treedef = self.key_treedef
+        self._paths = [] if unchanging(treedef) else container_paths(out, treedef)
         # Indices in static positions: such a module is worked out when passed in.
         self.has_statics = bool(self.module and static_handles(self.treedef))
         self._statics = [
@@ -134,7 +131,7 @@ class OutPart:
         if (
             0 in signatures.values()
             or self.has_statics
-            or not unchanging(self.key_treedef)
+            or self._paths is None
             or any(type(s) is Handle or is_array(s) for s in self.key_spec)
         ):
             # Holds a state the call did not receive, or one without a value yet,
@@ -151,19 +148,23 @@ class OutPart:
         in_order = numbers == list(range(len(numbers)))
         return (self.key_treedef, tuple(spec)), numbers, in_order
 
-    def part(self, arrays: list, call: Part, signatures) -> Part | None:
-        """The part the returned module would have as an argument, or `None` if it
-        must be worked out when passed in."""
+    def part(self, out, arrays: list, call: Part, signatures) -> Part | None:
+        """The part the returned module `out` would have as an argument, or `None`
+        if it must be worked out when passed in."""
         if self._template is None:
             self._template = self._make_template(signatures)
         if self._template is False:
             return None
         key, numbers, in_order = self._template
+        paths = self._paths
+        guard = guard_of(out, paths) if paths else None
         if in_order and len(numbers) == len(call.storages):
-            return call.sharing(key, arrays)
+            return call.sharing(key, arrays, (), True, guard)
         storages = [call.storages[n] for n in numbers]
         handles = [call.handles[n] for n in numbers]
-        return Part(key, arrays, storages, handles, holders_=holders(storages))
+        return Part(
+            key, arrays, storages, handles, holders_=holders(storages), guard=guard
+        )
 
 
 class Static:
@@ -203,7 +204,8 @@ def rebuild(
     description: Description, arrays: list, call: Part, signatures, memo, remember
 ):
     """A call's output, from what it returned; the modules among it are remembered
-    (with `remember`) unless the program gave a state its first value."""
+    (with `remember`) unless the program gave a state its first value. (`memo` is
+    `None` for a call under another transform, which remembers nothing.)"""
     is_tuple, described = description
     outs, start = [], 0
     for op in described:
@@ -218,9 +220,10 @@ def rebuild(
         else:
             out = op.treedef.unflatten(op.leaves(mine, call))
         if op.module and remember:
-            part = op.part(mine, call, signatures)
+            part = op.part(out, mine, call, signatures)
             if part is not None:
                 memo.remember(out, part)
         outs.append(out)
-    memo.next_call()
+    if memo is not None:
+        memo.next_call()
     return tuple(outs) if is_tuple else outs[0]

@@ -4,10 +4,11 @@ beside this file.
 """
 
 import dataclasses
+import types
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
@@ -16,6 +17,7 @@ from .. import _jax
 from .._core._flag import Flag
 from .._core._index import StateIndex
 from .._core._storage import Handle, is_set, Storage
+from ._guards import container_paths, Guard, guard_of, unchanging
 
 
 class _Marker:
@@ -40,7 +42,7 @@ class Slot(NamedTuple):
 
 
 _ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, _jax.Tracer)
 _kinds: dict[type, int] = {Handle: _HANDLE_KIND}
 
 
@@ -98,21 +100,6 @@ def static_handles(treedef) -> list[Handle]:
     return found
 
 
-_UNCHANGING = (tuple, eqx.Module, type(None))
-
-
-def unchanging(treedef) -> bool:
-    """Whether a tree is built only of nodes that cannot change in place: Equinox
-    modules, tuples (named ones too: optax states) and `None`. An object holding
-    anything else (a list, a dict, another registered type) may be changed in place
-    between calls, so it is worked out again on every call, never remembered. (Not
-    cached: a cache would keep the treedefs, and with them static data, alive.)"""
-    data = treedef.node_data()
-    if data is not None and not issubclass(data[0], _UNCHANGING):
-        return False
-    return all(map(unchanging, treedef.children()))
-
-
 def holders(storages: Sequence[Storage]) -> list:
     """The objects inside the states' references that hold their buffers: reading
     and replacing buffers through them skips the reference's own dispatch."""
@@ -138,6 +125,7 @@ class Part:
         "statics",
         "fixed",
         "mutable",
+        "guard",
     )
 
     def __init__(
@@ -152,6 +140,7 @@ class Part:
         statics: Sequence[Storage] = (),
         fixed: bool = True,
         mutable: bool = False,
+        guard: Guard | None = None,
     ):
         # `(treedef, spec)`; for a whole call, a tuple of those, one per argument.
         self.key = key
@@ -169,11 +158,20 @@ class Part:
         # Whether every state has its value: until then a state's signature (and so
         # the key) can still change, and the part is not remembered.
         self.fixed = fixed
-        # Whether the argument may change in place (never remembered).
+        # Whether the argument may change in place where no guard can see it
+        # (never remembered).
         self.mutable = mutable
+        # The lists and dicts inside the argument, as they were when this part was
+        # worked out: the part is used again only while they are intact.
+        self.guard = guard
 
     def sharing(
-        self, key, arrays: list, statics: Sequence[Storage] = (), fixed: bool = True
+        self,
+        key,
+        arrays: list,
+        statics: Sequence[Storage] = (),
+        fixed: bool = True,
+        guard: Guard | None = None,
     ) -> "Part":
         """A part with this part's states (and their numbering), and `key` and
         `arrays` of its own."""
@@ -189,6 +187,8 @@ class Part:
             self.indices,
             statics,
             fixed,
+            False,
+            guard,
         )
 
     def layout(self) -> "Part":
@@ -219,6 +219,13 @@ def analyse(tree) -> Part:
             spec.append(Slot(slot, storage.signature_id))
         else:
             spec.append(leaf)
+    guard = mutable = None
+    if not unchanging(treedef):
+        paths = container_paths(tree, treedef)
+        if paths is None:
+            mutable = True
+        else:
+            guard = guard_of(tree, paths)
     return Part(
         (treedef, tuple(spec)),
         arrays,
@@ -226,7 +233,69 @@ def analyse(tree) -> Part:
         handles,
         statics=[h.get() for h in static_handles(treedef)],
         fixed=fixed,
-        mutable=not unchanging(treedef),
+        mutable=bool(mutable),
+        guard=guard,
+    )
+
+
+class WeakFunction:
+    """A plain function as the static leaf of a call key, held weakly: the programs
+    kept with the function (`_cache.py`) must not keep it alive."""
+
+    __slots__ = ("ref", "hash")
+
+    def __init__(self, fun: types.FunctionType):
+        self.ref = weakref.ref(fun)
+        self.hash = hash(fun)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is WeakFunction and other.ref == self.ref
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __repr__(self) -> str:
+        return f"WeakFunction({self.ref()!r})"
+
+
+_LEAF = jtu.tree_structure(0)
+
+
+def function_part(fun) -> Part:
+    """The part of the function being compiled."""
+    if type(fun) is types.FunctionType:
+        return Part((_LEAF, (WeakFunction(fun),)), [], [], [])
+    return analyse(fun)
+
+
+def pinned(part: Part, ids: set[int]) -> Part:
+    """`part` with the states `ids` taken by reference: each of their handles is a
+    static leaf of the key (which so names the state itself, as it names an index
+    in a static field), and they join `statics`. For states the function also
+    reaches by closure or through static data: every path then reaches the same
+    references, as under `eqx.filter_jit`."""
+    keep = [n for n, s in enumerate(part.storages) if s.id not in ids]
+    if len(keep) == len(part.storages):
+        return part
+    number = {old: new for new, old in enumerate(keep)}
+    treedef, spec = part.key
+    spec = tuple(
+        s
+        if type(s) is not Slot
+        else Slot(number[s.number], s.signature)
+        if s.number in number
+        else part.handles[s.number]
+        for s in spec
+    )
+    return Part(
+        (treedef, spec),
+        part.arrays,
+        [part.storages[n] for n in keep],
+        [part.handles[n] for n in keep],
+        statics=[*part.statics, *(s for s in part.storages if s.id in ids)],
+        fixed=part.fixed,
+        mutable=part.mutable,
+        guard=part.guard,
     )
 
 

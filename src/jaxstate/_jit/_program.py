@@ -3,8 +3,10 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 "jaxstate.jit".
 """
 
+import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,18 +14,24 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.experimental import checkify
 
-from .. import _jax
-from .._core._context import passed_in
+from .. import _equinox, _jax
+from .._core._context import passed_in, ReachedByClosure
 from .._core._local import LocalRef
 from .._core._storage import Handle, Storage
 from ._outputs import describe, Description, Static
-from ._parts import ARRAY, Slot
+from ._parts import ARRAY, Slot, WeakFunction
 
 
 def _rebuild(spec, arrays, handles) -> list:
     it = iter(arrays)
     return [
-        next(it) if s is ARRAY else handles[s.number] if type(s) is Slot else s
+        next(it)
+        if s is ARRAY
+        else handles[s.number]
+        if type(s) is Slot
+        else s.ref()
+        if type(s) is WeakFunction
+        else s
         for s in spec
     ]
 
@@ -61,28 +69,6 @@ class _Tracing(threading.local):
     storages: Any = ()
 
 
-_MIXED_HALVES = (
-    "The function puts a StateIndex from its arguments and the same StateIndex "
-    "closed over into one tree (for example `eqx.combine(params, static)` with "
-    "`static` from `eqx.partition` closed over). Inside `jaxstate.jit` the states "
-    "passed in are stand-ins for the call, so the two halves no longer match. Pass "
-    "the closed-over part as an argument too (`step(params, static, x)`), or close "
-    "over the whole model. See docs/misuse.md, 'mixed-halves'."
-)
-
-
-def _explain_mixed_trees(e: ValueError, proxies: list[Storage]) -> None:
-    # JAX's "different pytree metadata" error naming a stand-in's key and its real
-    # state's.
-    text = str(e)
-    if "metadata" not in text:
-        return
-    for p in proxies:
-        real = p.real
-        if real is not None and f"Key({p.id})" in text and f"Key({real.id})" in text:
-            raise ValueError(_MIXED_HALVES) from e
-
-
 class Program:
     """The compiled program for one call structure (`key`)."""
 
@@ -117,6 +103,9 @@ class Program:
         self.closed: frozenset[int] = frozenset()
         # How to rebuild the output, per trace (a program's output says which).
         self.outputs: list[Description] = []
+        # Marks the frames of this program's calls for `eqx.error_if`, which
+        # records them while traced (see `_guarded`).
+        self.jit_id = os.urandom(16)
 
     def undonated(self):
         # For functions that can fail while running, and while debugging NaNs
@@ -127,15 +116,31 @@ class Program:
             )
         return self._undonated
 
-    def run(self, storages: list, inputs: tuple, hide_warning: bool) -> Any:
+    def run(
+        self,
+        storages: list,
+        inputs: tuple,
+        hide_warning: bool,
+        executable: Callable | None = None,
+    ) -> Any:
         """Calls the program with `inputs` for the states `storages`, tracing and
-        compiling it first if needed."""
+        compiling it first if needed (or calls `executable`, its ahead-of-time
+        compiled form)."""
         tracing = self._tracing
         tracing.storages = storages
         try:
-            if self.fresh or _jax.debugging_nans():
-                return self._first(inputs, hide_warning)
-            return self.retrying(inputs)
+            if (
+                executable is not None
+                or self.fresh
+                or not self.donating
+                or _jax.debugging_nans()
+            ):
+                return self._guarded(inputs, hide_warning, executable)
+            try:
+                return self.jitted(*inputs)
+            except _Undonate:
+                self._undonate()
+                return self._guarded(inputs, hide_warning, executable)
         finally:
             tracing.storages = ()
 
@@ -146,16 +151,46 @@ class Program:
         finally:
             self._tracing.storages = ()
 
-    def _first(self, inputs: tuple, hide_warning: bool) -> Any:
-        with warnings.catch_warnings():
-            if hide_warning:
-                warnings.filterwarnings("ignore", "Some donated buffers")
-            if _jax.debugging_nans():
-                out = self.undonated()(*inputs)
-            else:
-                out = self.retrying(inputs)
+    def _guarded(
+        self, inputs: tuple, hide_warning: bool, executable: Callable | None
+    ) -> Any:
+        """A call that may trace, or run a program that calls back to the host:
+        as `eqx.filter_jit` does, a failed `eqx.error_if` is raised as an
+        `eqx.EquinoxRuntimeError`, with JAX's log record of the failed callback
+        kept quiet, and before the state is replaced."""
+        # Equinox records the frames around an `eqx.error_if` while tracing it, and
+        # shows those up to the one holding this id (the frames inside the program).
+        __equinox_jit_id__ = self.jit_id  # noqa: F841
+        try:
+            with _equinox.quiet_callback_failures():
+                if hide_warning and self.fresh:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", "Some donated buffers")
+                        out = self._once(inputs, executable)
+                else:
+                    out = self._once(inputs, executable)
+                if not self.donating and _jax.is_eager():
+                    # A failure while running surfaces here, before the new
+                    # buffers replace the state's.
+                    jax.block_until_ready(out)
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
+            error = _equinox.runtime_error(e, self.jit_id)
+            if error is None:
+                raise
+            raise error from None
         self.fresh = False
         return out
+
+    def _once(self, inputs: tuple, executable: Callable | None) -> Any:
+        if executable is not None:
+            return executable(*inputs)
+        if _jax.debugging_nans():
+            return self.undonated()(*inputs)
+        return self.retrying(inputs)
+
+    def _undonate(self) -> None:
+        self.donating = False
+        self.jitted = self.undonated()
 
     def retrying(self, inputs: tuple, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
@@ -166,8 +201,7 @@ class Program:
         try:
             return jitted.lower(*inputs) if lower else jitted(*inputs)
         except _Undonate:
-            self.donating = False
-            self.jitted = self.undonated()
+            self._undonate()
             return self.retrying(inputs, lower)
 
     def _inner(self, kept, donated, bufs, _):
@@ -194,10 +228,15 @@ class Program:
             try:
                 out = fun(*args, **kwargs)
             except ValueError as e:
-                _explain_mixed_trees(e, proxies)
+                if storages and "pytree" in str(e):
+                    # A tree from the arguments compared with one from elsewhere,
+                    # such as `eqx.combine(params, static)` with `static` closed
+                    # over: the passed states' indices are stand-ins here, so the
+                    # trees differ. Made again with them taken by reference.
+                    raise ReachedByClosure({s.id for s in storages}) from e
                 raise
-        # Another model of this structure may be the one closed over: refused at
-        # call time, as the trace refused this one.
+        # Another model of this structure may be the one closed over: such a call
+        # takes it by reference (`_wrapper.py`), as this trace would have.
         self.closed = frozenset(closed)
         if any(p.pending is not None for p in proxies):
             self.created = True

@@ -4,7 +4,6 @@ see README.md beside this file.
 """
 
 import functools
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload, TypeVar
@@ -12,11 +11,12 @@ from typing import Any, Literal, overload, TypeVar
 import jax
 
 from .. import _jax
-from .._core._context import passed_and_closed
+from .._core._context import ReachedByClosure
 from .._core._lock import give, take
+from ._cache import programs_for
 from ._memo import Last, Memo
 from ._outputs import rebuild
-from ._parts import n_first, Part
+from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
 from ._program import Program
 
 
@@ -56,15 +56,17 @@ class _JitWrapper:
         self.donate = donate
         self.hide_warning = donate in ("all", "all-except-first")
         self.jitkwargs = jitkwargs
-        # Programs by call key. Those for models with indices in static positions
+        # Programs by call key, shared with every other wrapper of an equal
+        # function (`_cache.py`). Those for models with indices in static positions
         # (whose keys hold the indices) are kept on one of those states instead
         # (`Storage.jits`), so that they die with the model.
-        self.cache: dict[Any, Program] = {}
+        self.programs = programs_for(fun, donate, jitkwargs)
         self.memo = Memo(fun)
-        # Guards the cache and the slow path's bookkeeping (threads may call one
+        # Guards the programs and the slow path's bookkeeping (threads may call one
         # function together). The fast path touches the memo only by single dict
         # operations, atomic under the GIL; a race can only cost a slow call.
-        self.lock = threading.Lock()
+        self.lock = self.programs.lock
+
         # Name and docstring only: copying `fun.__dict__` could copy another
         # wrapper's attributes (e.g. from a `jax.vmap` of a `jaxstate.jit` function)
         # over our own.
@@ -72,9 +74,7 @@ class _JitWrapper:
 
     def __call__(self, *args, **kwargs):
         if not _jax.eager_and_jitting():
-            # Inside another transform: trace through, like a nested `jax.jit`;
-            # under `jax.disable_jit()`: run eagerly, as `jax.jit` does.
-            return self.fun(*args, **kwargs)
+            return self._inside(args, kwargs)
         matched = None if kwargs else self.memo.match(args)
         if matched is None:
             program, call, first = self.prepare(args, kwargs)
@@ -83,13 +83,65 @@ class _JitWrapper:
             last = self.memo.last
             assert last is not None
             (arrays, call), program, first = matched, last.program, last.n_first
-        return self.execute(program, call, arrays, first)
+        try:
+            return self.execute(program, call, arrays, first)
+        except ReachedByClosure as e:
+            return self._pinning(e, args, kwargs)
+
+    def _pinning(self, e: ReachedByClosure, args: tuple, kwargs: dict) -> Any:
+        # The function reaches a state passed in its arguments through an index it
+        # closes over: from now on such calls take that state by reference.
+        while True:
+            with self.lock:
+                self.programs.closed |= e.ids
+            program, call, first = self.prepare(args, kwargs)
+            try:
+                return self.execute(program, call, call.arrays, first)
+            except ReachedByClosure as again:
+                e = again
+
+    def _inside(self, args: tuple, kwargs: dict) -> Any:
+        if _jax.jit_disabled() or _jax.building_a_program():
+            # Under `jax.disable_jit()`: run eagerly, as `jax.jit` does; inside
+            # another compiled function: trace through (its program is compiled
+            # as a whole).
+            return self.fun(*args, **kwargs)
+        # Under eager transforms (`jax.grad`, `jax.vmap`, ...): compiled and cached
+        # as a nested `jax.jit` is, every state reached by reference (pinned: the
+        # transform's tracers cannot be swapped into a state), the program kept
+        # like any other.
+        memo = self.memo
+        with self.lock:
+            parts = [
+                memo.fun_part(),
+                EMPTY if not kwargs else analyse(kwargs),
+                *(a if is_array(a) else analyse(a) for a in args),
+            ]
+            pins = {s.id for p in parts if type(p) is Part for s in p.storages}
+            parts = [pinned(p, pins) if type(p) is Part else p for p in parts]
+            call = combine(parts)
+            program = self._program(call)
+        kept, donated = self._split(call.arrays, n_first(parts))
+        out_arrays, static, _ = program.run([], (kept, donated, [], None), False)
+        if program.created:
+            self._forget(program, call)
+        return rebuild(program.outputs[static.value], out_arrays, call, {}, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
         with self.lock:
             memo = self.memo
             parts = memo.parts(args, kwargs)
+            closed = self.programs.closed
+            statics = [s.id for p in parts if type(p) is Part for s in p.statics]
+            if closed or statics:
+                pins = closed.union(statics)
+                # States reached also through static data or by closure: taken by
+                # reference by every path.
+                parts = [
+                    pinned(p, pins) if type(p) is Part and p.storages else p
+                    for p in parts
+                ]
             call = memo.call_of(parts)
             program = self._program(call)
             first = n_first(parts)
@@ -112,22 +164,25 @@ class _JitWrapper:
         if last is not None and last.program.key == call.key and not call.statics:
             return last.program
         if call.statics:
-            # Kept on one of the static-position states (see `cache`).
+            # Kept on one of the static-position states (see `programs`).
             entries = call.statics[0].jits
-            for wrapper, key, program in entries:
-                if wrapper() is self and key == call.key:
+            for programs, key, program in entries:
+                if programs() is self.programs and key == call.key:
                     return program
             program = Program(call.key, self.jitkwargs, self.fun)
-            entries.append((weakref.ref(self), call.key, program))
+            entries.append((weakref.ref(self.programs), call.key, program))
             return program
-        program = self.cache.get(call.key)
+        by_key = self.programs.by_key
+        program = by_key.get(call.key)
         if program is None:
-            program = self.cache[call.key] = Program(call.key, self.jitkwargs, self.fun)
+            program = by_key[call.key] = Program(call.key, self.jitkwargs, self.fun)
         return program
 
     def _forget(self, program: Program, call: Part) -> None:
         with self.lock:
-            self.cache = {k: p for k, p in self.cache.items() if p is not program}
+            by_key = self.programs.by_key
+            for k in [k for k, p in by_key.items() if p is program]:
+                del by_key[k]
             last = self.memo.last
             if last is not None and last.program is program:
                 self.memo.last = None
@@ -156,8 +211,10 @@ class _JitWrapper:
         form, called) with the states checked out, their new buffers swapped in, and
         the output rebuilt. (`call` is the call's part, or on the fast path the one
         argument part that reaches its states: `arrays` are the call's.)"""
-        if program.closed and any(s.id in program.closed for s in call.storages):
-            raise passed_and_closed("jaxstate.jit")
+        closed = program.closed
+        if closed and any(s.id in closed for s in call.storages):
+            # Another model of this structure was the one closed over.
+            raise ReachedByClosure({s.id for s in call.storages if s.id in closed})
         kept, donated = self._split(arrays, first)
         ids, holders = call.ids, call.holders
         # No other thread may read or donate these states' buffers until this
@@ -165,10 +222,7 @@ class _JitWrapper:
         opened = take(ids)
         try:
             inputs = (kept, donated, _jax.holder_buffers(holders), None)
-            if executable is None:
-                out = program.run(call.storages, inputs, self.hide_warning)
-            else:
-                out = executable(*inputs)
+            out = program.run(call.storages, inputs, self.hide_warning, executable)
             out_arrays, static, new_bufs = out
             _jax.set_holder_buffers(holders, new_bufs)
         finally:
@@ -194,10 +248,16 @@ class _JitWrapper:
         object; `.compile()` gives a function to call with the same kind of
         arguments as this one.
         """
-        program, call, first = self.prepare(args, kwargs)
-        kept, donated = self._split(call.arrays, first)
-        inputs = (kept, donated, _jax.holder_buffers(call.holders), None)
-        lowered = program.lower(call.storages, inputs)
+        while True:
+            program, call, first = self.prepare(args, kwargs)
+            kept, donated = self._split(call.arrays, first)
+            inputs = (kept, donated, _jax.holder_buffers(call.holders), None)
+            try:
+                lowered = program.lower(call.storages, inputs)
+                break
+            except ReachedByClosure as e:
+                with self.lock:
+                    self.programs.closed |= e.ids
         if program.created:
             # As after a run: the program writes one model's new references.
             self._forget(program, call)
@@ -217,8 +277,11 @@ class Lowered:
         self._program = program
         self._lowered = lowered
 
-    def compile(self) -> "AotCompiled":
-        return AotCompiled(self._wrapper, self._program, self._lowered.compile())
+    def compile(self, *args, **kwargs) -> "AotCompiled":
+        """Compiles the program; takes what `jax.stages.Lowered.compile` takes
+        (`compiler_options=...`)."""
+        compiled = self._lowered.compile(*args, **kwargs)
+        return AotCompiled(self._wrapper, self._program, compiled)
 
     def __getattr__(self, name: str):
         return getattr(self._lowered, name)
