@@ -259,18 +259,10 @@ def test_stateful_model_matches_equinox_with_its_state_threaded():
 #
 # What Equinox's own tests of `filter_jit` check (its tests/test_jit.py, and the
 # tests of its other files that call `filter_jit`), each for both compilers.
-# The `jaxstate.jit` cases marked xfail are issue 24's four causes.
+# (Issue 24's four causes: each failed under `jaxstate.jit` before.)
 #
 
-
-def _xfail(cause: str):
-    return pytest.param(
-        jaxstate.jit, marks=pytest.mark.xfail(strict=True, reason=f"issue 24: {cause}")
-    )
-
-
-_REWRAP = "a new wrapper of an equal function traces and compiles again"
-_EAGER = "an eager grad or vmap of a jitted function is neither compiled nor cached"
+JITS = [eqx.filter_jit, jaxstate.jit]
 
 
 def _counted():
@@ -310,7 +302,7 @@ _WRAPPED = {
 
 
 @pytest.mark.parametrize("wrapped", list(_WRAPPED))
-@pytest.mark.parametrize("jit", [eqx.filter_jit, _xfail(_REWRAP)])
+@pytest.mark.parametrize("jit", JITS)
 def test_wrapping_an_equal_function_again_reuses_its_program(jit, wrapped):
     traces, f, Affine = _counted()
     x = jnp.arange(3.0)
@@ -321,7 +313,7 @@ def test_wrapping_an_equal_function_again_reuses_its_program(jit, wrapped):
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
-@pytest.mark.parametrize("jit", [eqx.filter_jit, _xfail(_EAGER)])
+@pytest.mark.parametrize("jit", JITS)
 def test_an_eager_transform_of_a_jitted_function_traces_once(jit, transform):
     traces, f, _ = _counted()
     outer = {"grad": jax.grad, "vmap": jax.vmap}[transform]
@@ -333,9 +325,7 @@ def test_an_eager_transform_of_a_jitted_function_traces_once(jit, transform):
     assert len(traces) == 1
 
 
-@pytest.mark.parametrize(
-    "jit", [eqx.filter_jit, _xfail("Lowered.compile takes no compiler_options")]
-)
+@pytest.mark.parametrize("jit", JITS)
 def test_ahead_of_time_compile_takes_compiler_options(jit):
     lowered = jit(lambda x, y: 2 * x + y).lower(jnp.array(3), 4)
     # An option XLA knows (for GPUs; accepted and unused on a CPU), then nonsense.
@@ -346,10 +336,7 @@ def test_ahead_of_time_compile_takes_compiler_options(jit):
 
 
 @pytest.mark.parametrize("first", ["fails", "succeeds"])
-@pytest.mark.parametrize(
-    "jit",
-    [eqx.filter_jit, _xfail("eqx.error_if raises JAX's callback error and logs it")],
-)
+@pytest.mark.parametrize("jit", JITS)
 def test_a_failed_error_if_raises_equinox_runtime_error_quietly(jit, first, caplog):
     check = jit(lambda x: eqx.error_if(x, x > 0, "positive"))
     if first == "succeeds":

@@ -5,7 +5,6 @@ See README.md beside this file.
 """
 
 import threading
-import types
 import weakref
 from typing import Any
 
@@ -13,6 +12,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from .. import _equinox
+from ._parts import named_weakly
 
 
 class Programs:
@@ -32,11 +32,11 @@ class Programs:
 
 # A plain function's programs live as long as the function: the call keys name it
 # through a weak reference (`_parts.function_part`), so nothing here keeps it
-# alive. A module's (`jaxstate.jit(model)`, `jaxstate.jit(eqx.filter_grad(f))`) are
+# alive (so do another callable's that is no pytree, such as an
+# `eqx.filter_custom_vjp`). A module's (`jaxstate.jit(model)`, `jaxstate.jit(eqx.filter_grad(f))`) are
 # shared by the modules of its class, whose keys name their structure and static
 # fields; `eqx.clear_caches()` drops them. Anything else (a bound method of a plain
-# class, a `functools.partial`) is named by identity and may hold arrays: its
-# programs live with its wrapper.
+# class, made anew at each access; an unhashable callable) lives with its wrapper.
 _of_functions: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _of_module_types: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -46,7 +46,7 @@ def programs_for(fun: Any, donate: str, jitkwargs: dict) -> Programs:
     """The programs of `fun`, shared with every other wrapper of an equal function
     with the same options."""
     table: weakref.WeakKeyDictionary
-    if type(fun) is types.FunctionType:
+    if named_weakly(fun):
         table, owner = _of_functions, fun
     elif isinstance(fun, eqx.Module):
         table, owner = _of_module_types, type(fun)

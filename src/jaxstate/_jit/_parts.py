@@ -239,12 +239,12 @@ def analyse(tree) -> Part:
 
 
 class WeakFunction:
-    """A plain function as the static leaf of a call key, held weakly: the programs
-    kept with the function (`_cache.py`) must not keep it alive."""
+    """The function being compiled as the static leaf of a call key, held weakly:
+    the programs kept with the function (`_cache.py`) must not keep it alive."""
 
     __slots__ = ("ref", "hash")
 
-    def __init__(self, fun: types.FunctionType):
+    def __init__(self, fun: Any):
         self.ref = weakref.ref(fun)
         self.hash = hash(fun)
 
@@ -261,9 +261,29 @@ class WeakFunction:
 _LEAF = jtu.tree_structure(0)
 
 
+def named_weakly(fun) -> bool:
+    """Whether `fun` is named in its call keys through a weak reference: a plain
+    function, or another callable that is no pytree (`eqx.filter_custom_vjp`, a
+    class of one's own), hashable and weakly referenceable."""
+    if type(fun) is types.FunctionType:
+        return True
+    if type(fun) is types.MethodType or not jtu.treedef_is_leaf(
+        jtu.tree_structure(fun)
+    ):
+        # (A bound method is made anew at every attribute access: it would die at
+        # once.)
+        return False
+    try:
+        hash(fun)
+        weakref.ref(fun)
+    except TypeError:
+        return False
+    return True
+
+
 def function_part(fun) -> Part:
     """The part of the function being compiled."""
-    if type(fun) is types.FunctionType:
+    if named_weakly(fun):
         return Part((_LEAF, (WeakFunction(fun),)), [], [], [])
     return analyse(fun)
 

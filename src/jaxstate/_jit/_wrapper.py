@@ -313,6 +313,11 @@ class AotCompiled:
             )
         return wrapper.execute(program, call, call.arrays, first, self._executable)
 
+    @property
+    def compiled(self) -> Any:
+        """JAX's compiled program (`jax.stages.Compiled`), as on Equinox's."""
+        return self._executable
+
     def __getattr__(self, name: str):
         return getattr(self._executable, name)
 
@@ -373,4 +378,8 @@ def jit(fun=None, *, donate: _Donate = "none", **jitkwargs) -> Any:
     """
     if fun is None:
         return lambda f: jit(f, donate=donate, **jitkwargs)
+    if type(fun) is _JitWrapper:
+        # Inside the outer program the inner one traces through: one program,
+        # shared with the inner function's other wrappers.
+        fun = fun.fun
     return _JitWrapper(fun, donate, jitkwargs)
