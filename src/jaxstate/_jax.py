@@ -2,10 +2,11 @@
 
 jaxstate needs a few things JAX 0.10 does not make public: which traces enclose the
 current one, a way to write batching and differentiation rules for its own
-primitives, the buffer inside a `jax.Ref`, and two of JAX's batching rules to extend
+primitives, the buffer inside a `jax.Ref`, an array not committed to its device, a
+cache that `jax.clear_caches()` leaves, and two of JAX's batching rules to extend
 (`_patches.py`). Each is wrapped here, under a name that says what jaxstate relies
-on, and `tests/core/test_jax_internals.py` checks each assumption on its own, so that
-moving to a newer JAX is this file's work (and that test's).
+on, and `tests/core/test_jax_internals.py` checks each assumption on its own, so
+that moving to a newer JAX is this file's work (and that test's).
 
 Nothing outside this file imports from `jax._src`.
 """
@@ -19,7 +20,14 @@ from typing import Any
 
 import jax
 import jax.core
-from jax._src import config as _config, core as _core, traceback_util as _traceback
+from jax._src import (
+    api_util as _api_util,
+    array as _array,
+    config as _config,
+    core as _core,
+    traceback_util as _traceback,
+    util as _util,
+)
 from jax._src.interpreters import (
     ad as _ad,
     batching as _batching,
@@ -216,6 +224,29 @@ def buffer_commitment_of_refs() -> None:
     commitment = property(operator.attrgetter("_refs._buf._committed"))
     _core.Ref.committed = _core.Ref._committed = commitment  # pyright: ignore
     _core.Ref._jaxstate_commitment = True  # pyright: ignore
+
+
+def uncommitted(x: Any) -> Any:
+    """`x` (a fully addressable array on one device, not a key array) as an array
+    that is not committed to its device, sharing its buffer. Assumed: an
+    `ArrayImpl` is built from its type, its sharding and its per-device buffers
+    (`x._arrays`), and is committed when told so. JAX has no public way to do
+    this short of a copy through the host; a loaded checkpoint needs it (see
+    `_checkpoint/_values.py`, `place`)."""
+    return _array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
+
+
+def clear_donation_cache_with_jax() -> None:
+    """Makes `jax.clear_caches()` clear JAX's `donation_vector` cache too.
+
+    Every `eqx.filter_jit` call goes through it (a `functools.lru_cache` of 4096
+    entries), keyed on the arguments' tree structure, which holds the indices kept
+    in static data (Equinox `static=True` fields, `register_dataclass` meta
+    fields) and so their states. JAX 0.10 never clears it: a model that passed
+    through such a function lived until 4096 other structures pushed it out.
+    Assumed: `jax._src.util.register_cache` takes any object with `cache_clear()`,
+    and `jax.clear_caches()` calls it."""
+    _util.register_cache(_api_util.donation_vector, "donation_vector (jaxstate)")
 
 
 def ref_class() -> type:

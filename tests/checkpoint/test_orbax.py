@@ -20,6 +20,7 @@ import jaxstate
 from tests.helpers import (
     assert_same_state,
     assert_unchanged,
+    compile_log,
     ignore_unset_mode_warning,
     ROOT,
     snapshot,
@@ -92,10 +93,13 @@ def test_checkpoint_manager_with_a_model_and_its_adam_state(tmp_path):
             assert_same_state(like_model.bn.batch_state, out[0].bn.batch_state)
 
     # Training resumes exactly: two more steps from step 2 give step 3's values
-    # plus one.
+    # plus one. The restored arrays are placed as `like`'s were (uncommitted), so
+    # the step does not compile again.
     resumed, resumed_opt = out
-    resumed, resumed_opt = step(resumed, resumed_opt, jnp.full((8, 3), 3.0))
+    with compile_log() as compiled:
+        resumed, resumed_opt = step(resumed, resumed_opt, jnp.full((8, 3), 3.0))
     assert snapshot((resumed, resumed_opt)) == saved[3]
+    assert "train_step" not in compiled
 
 
 def test_a_mismatch_is_an_error_and_changes_nothing(tmp_path):

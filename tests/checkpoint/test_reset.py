@@ -108,7 +108,10 @@ def test_errors_name_the_fix_and_change_nothing():
     cases = [
         ("params", ValueError, "selects no state of this tree"),
         ("ema", ValueError, r"selects nothing in this tree, which holds .*'metric'"),
-        ("metrics", ValueError, r"unknown kind 'metrics'.*kinds.define\('metrics'\)"),
+        # A close known kind is named first (and "params", in a filter).
+        ("metrics", ValueError, r"unknown kind 'metrics'. Did you mean 'metric'\?"),
+        ("param", ValueError, r"unknown kind 'param'. Did you mean 'params'\?"),
+        ("acc", ValueError, r"unknown kind 'acc'. The kinds .*kinds.define\('acc'\)"),
         (3, TypeError, "is not a filter"),
     ]
     for filter, error, match in cases:
@@ -129,5 +132,8 @@ def test_errors_name_the_fix_and_change_nothing():
     assert_unchanged(bad, before)
     with pytest.raises(TypeError, match="takes a Python number"):
         jaxstate.StateIndex(init=jnp.ones(2), reset=np.float32(0))
-    with pytest.raises(ValueError, match="unknown kind 'caches'"):
+    with pytest.raises(ValueError, match="unknown kind 'caches'. Did you mean 'cache'"):
         jaxstate.StateIndex(init=jnp.ones(2), kind="caches")
+    # "params" is no kind of state: not suggested for one.
+    with pytest.raises(ValueError, match="unknown kind 'param'. The kinds are"):
+        jaxstate.StateIndex(init=jnp.ones(2), kind="param")

@@ -61,6 +61,17 @@ def test_the_table_and_its_numbers():
         for line in lines
     )
     assert lines[-1].split()[:2] == ["total", str(len(summary.rows))]
+    # The table's `total` line is `summary.total`; its figures, those of every kind.
+    total = summary.total
+    assert (
+        total.count
+        == len(summary.rows)
+        == sum(t.count for t in summary.totals.values())
+    )
+    assert total.nbytes == summary.nbytes
+    saved = sum(r.nbytes for r in summary.rows if r.persistent)
+    assert total.saved_nbytes == saved < total.nbytes  # the cache is not saved
+    assert "total" not in summary.totals  # a dict of kinds only
 
 
 def test_an_abstract_model_gives_the_same_table():

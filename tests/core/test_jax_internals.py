@@ -320,6 +320,28 @@ def test_references_take_their_commitment_from_their_buffer():
     assert result.stdout.strip() == "True"
 
 
+def test_an_uncommitted_array_sharing_a_committed_ones_buffer():
+    placed = jax.device_put(jnp.arange(3.0), jax.devices()[0])
+    free = _jax.uncommitted(placed)
+    assert placed.committed and not free.committed
+    assert free.sharding == placed.sharding and free.dtype == placed.dtype
+    assert free.unsafe_buffer_pointer() == placed.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(free, [0.0, 1.0, 2.0])
+    # A compiled call given only uncommitted inputs returns uncommitted outputs.
+    assert not jax.jit(lambda x: x + 1)(free).committed
+
+
+def test_jax_clear_caches_clears_the_donation_vector_cache():
+    # JAX keeps `donation_vector` (every `eqx.filter_jit` call's) in an
+    # `lru_cache` of its own; jaxstate registers it with `jax.clear_caches()`.
+    from_api = _jax._api_util.donation_vector
+    tree = jax.tree_util.tree_structure(((jnp.ones(2),), {}))
+    from_api((), (), tree)
+    assert from_api.cache_info().currsize >= 1
+    jax.clear_caches()
+    assert from_api.cache_info().currsize == 0
+
+
 #
 # Equinox's internals (`_equinox.py`).
 #

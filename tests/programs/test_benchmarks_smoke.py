@@ -1,12 +1,12 @@
 """Smoke test of the benchmark suite (benchmarks/, `python -m benchmarks`).
 
-Runs S1, S5, S8 (its 6-block rows) and the three real programs of S6 with tiny round counts and checks
-that every variant computes the same numbers (loss, parameters and state after the
-same steps) and that the results tables have the expected rows; runs the time to
-first step (S6a's fresh builds, S6d as `--quick` runs it, and S7's stacks at two
-depths) and checks its counts of compilations; makes the README's speed section
-from a report, and checks that the README's is the last run's. Timings are
-measured but never asserted on.
+Runs S1, S5, S8 (its 6-block rows) and the three real programs of S6 with tiny round
+counts and checks that every variant computes the same numbers (loss, parameters and
+state after the same steps) and that the results tables have the expected rows; runs
+the time to first step (S6a's fresh builds, S6d as `--quick` runs it, and S7's
+stacks at two depths) and checks its counts of compilations; makes the README's
+speed section from a report, and checks that the README's is the last run's. Timings
+are measured but never asserted on.
 """
 
 import dataclasses

@@ -436,23 +436,10 @@ def _collect():
         gc.collect()
 
 
-_DONATION_CACHE = pytest.mark.xfail(
-    strict=True,
-    reason="JAX limit: `jax._src.api_util.donation_vector` is an lru_cache (4096 "
-    "entries) keyed on the arguments' tree structure, which holds an index in a "
-    "static field; `jax.clear_caches()` does not clear it, and every "
-    "`eqx.filter_jit` call goes through it. The state is freed once 4096 other "
-    "structures have pushed it out (docs/design.md, 'Lifetime').",
-)
-
-
-@pytest.mark.parametrize(
-    "way",
-    [
-        pytest.param(w, marks=_DONATION_CACHE) if w.startswith("eqx.filter_jit") else w
-        for w in WAYS
-    ],
-)
+# Every `eqx.filter_jit` call goes through JAX's `donation_vector` cache, keyed on
+# the arguments' tree structure, which holds an index in a static field; jaxstate
+# has `jax.clear_caches()` clear it (docs/design.md, "Lifetime").
+@pytest.mark.parametrize("way", WAYS)
 def test_state_of_a_deleted_static_field_model_is_freed(way):
     w = Way(way, key)
     model = _init("key", "static")
@@ -478,7 +465,6 @@ def test_state_of_a_deleted_static_field_model_is_freed(way):
     assert storage() is None
 
 
-@_DONATION_CACHE
 def test_state_of_a_deleted_published_model_is_freed():
     # Trained as the library trains (the other compilers are covered above).
     model = DropoutDAG(P, jr.key(7), key=jr.key(0))

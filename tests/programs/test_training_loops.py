@@ -129,6 +129,39 @@ def test_the_state_stays_uncommitted_with_the_model():
     assert not model.calls.unsafe_get().committed
 
 
+def _reload(how: str, tree, directory):
+    """`tree` saved, and loaded back into itself, as `how` does."""
+    if how == "state_dict":  # NumPy values, as read from elsewhere
+        mapping = {k: np.asarray(v) for k, v in jaxstate.state_dict(tree).items()}
+        return jaxstate.load_state_dict(tree, mapping)
+    if how == "save":
+        jaxstate.save(directory / "ckpt.npz", tree)
+        return jaxstate.load(directory / "ckpt.npz", tree)
+    jaxstate.tree_serialise_leaves(directory / "ckpt.eqx", tree)
+    return jaxstate.tree_deserialise_leaves(directory / "ckpt.eqx", tree)
+
+
+def test_a_loop_compiles_once_across_saves_and_loads(jit, tmp_path):
+    # Every load places what it loads like what it replaces, uncommitted here (a
+    # committed array would make the step's outputs committed: a new program).
+    # Every loader, and placing a committed model, in tests/checkpoint/
+    # test_placement.py; Equinox's own loader gives new states, which `jax.jit`
+    # and `eqx.filter_jit` see as new constants (a new program, whatever the
+    # placement).
+    model = LinearBatchNorm(jax.random.key(0))
+    opt_state = OPTIMISER.init(eqx.filter(model, eqx.is_array))
+    step = jit(returns_model_and_opt_state)
+    x = jnp.ones((4, 3))
+    with compile_log() as compiled:
+        model, opt_state = step(model, opt_state, x)
+        for how in ("state_dict", "save", "tree_serialise_leaves"):
+            model, opt_state = _reload(how, (model, opt_state), tmp_path)
+            model, opt_state = step(model, opt_state, x)
+    assert compiled.count("returns_model_and_opt_state") == 1
+    assert int(model.calls.unsafe_get()) == 4
+    assert not model.linear.weight.committed
+
+
 #
 # `jax.disable_jit()`: every compiler's calls run eagerly, with the same results.
 #

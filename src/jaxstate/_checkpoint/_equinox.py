@@ -17,13 +17,22 @@ a record written (or read) at a position drops every record at or after it (the
 file was rewound over them). Two trees written one after the other through one
 file object, without rewinding in between, therefore look like one tree: the
 second refers to states written by the first (docs/checkpoints.md).
+
+A file that `jaxstate.tree_serialise_leaves` writes to a path ends with a checksum
+record: a header of fixed size holding the CRC-32 of every byte before it, which
+Equinox's reader never reaches (it reads as many items as the tree has leaves).
+`jaxstate.tree_deserialise_leaves` checks it before reading anything else, so a
+damaged byte is an error naming the file, never a different value.
 """
 
 import contextlib
+import io
 import json
+import os
 import pathlib
 import threading
 import weakref
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -102,8 +111,10 @@ def _load_item(f) -> np.ndarray:
             "the file ends here, but `like` has more to load: it was written from a "
             "model of another structure, or without jaxstate's filter spec"
         ) from None
-    except ValueError as e:
-        raise _Corrupt(f"the file cannot be read here ({e})") from e
+    except Exception as e:
+        # A damaged item fails in NumPy's reader with any of several exceptions
+        # (`ValueError`, `tokenize.TokenError`, `SyntaxError`, ...).
+        raise _Corrupt(f"the file cannot be read here ({e!r})") from e
 
 
 def _parse(item: np.ndarray) -> dict | None:
@@ -450,8 +461,10 @@ def tree_serialise_leaves(
     `filter_spec=jaxstate.serialise_filter_spec, is_leaf=jaxstate.is_state_index`
     (which it does for you), plus: all states are read together, consistently, and
     a path is written atomically (to a temporary file renamed over it; a new file
-    gets the mode the umask allows, an existing one keeps its mode). States made
-    with `persistent=False` are left out, as from every checkpoint. Plain
+    gets the mode the umask allows, an existing one keeps its mode) and ends with a
+    checksum record, which `jaxstate.tree_deserialise_leaves` checks and Equinox's
+    reader never reaches. States made with `persistent=False` are left out, as
+    from every checkpoint. Plain
     `eqx.tree_serialise_leaves(path, model)` cannot see state, since an index has
     no leaves, and silently leaves it out.
 
@@ -482,10 +495,13 @@ def tree_serialise_leaves(
     writer = _Writer(saved.read())
     spec = _wrap(filter_spec, lambda f, x: _write_state(writer, f, x))
     with _reasons("tree_serialise_leaves"), contextlib.ExitStack() as stack:
-        f = path_or_file
-        if isinstance(f, (str, pathlib.Path)):
-            f = stack.enter_context(atomic_write(_with_suffix(f)))
-        eqx.tree_serialise_leaves(f, pytree, spec, with_indices(is_leaf))
+        if not isinstance(path_or_file, (str, pathlib.Path)):
+            eqx.tree_serialise_leaves(path_or_file, pytree, spec, with_indices(is_leaf))
+            return
+        f = stack.enter_context(atomic_write(_with_suffix(path_or_file)))
+        hashing = _Hashing(f)
+        eqx.tree_serialise_leaves(hashing, pytree, spec, with_indices(is_leaf))
+        f.write(_checksum_record(hashing.crc, hashing.size))
 
 
 def tree_deserialise_leaves(
@@ -521,9 +537,10 @@ def tree_deserialise_leaves(
 
     **Raises:**
 
-    `ValueError`, naming the path of the leaf, if the file does not fit `like`
-    (another structure, shape, dtype or key implementation, states shared
-    differently, or a file written without the state), or if `is_leaf` makes a
+    `ValueError`, naming the file and the path of the leaf, if the file does not
+    fit `like` (another structure, shape, dtype or key implementation, states
+    shared differently, or a file written without the state) or is damaged
+    (truncated, or not matching its checksum record), or if `is_leaf` makes a
     node holding an index a leaf. Equinox's own check that each loaded leaf has the
     type of `like`'s raises its `RuntimeError`. Nothing is changed on error.
     """
@@ -531,21 +548,29 @@ def tree_deserialise_leaves(
     staged = Staged()
     reader = _Reader(staged)
     spec = _wrap(filter_spec, lambda f, x: _read_state(reader, f, x))
-    with _reasons("tree_deserialise_leaves"), contextlib.ExitStack() as stack:
-        f = path_or_file
-        if isinstance(f, (str, pathlib.Path)):
-            f = stack.enter_context(open(_with_suffix(f), "rb"))
-        if filter_spec in (
-            deserialise_filter_spec,
-            eqx.default_deserialise_filter_spec,
-        ):
-            _check_format(f)
+    known = filter_spec in (
+        deserialise_filter_spec,
+        eqx.default_deserialise_filter_spec,
+    )
+    f = path_or_file
+    if isinstance(f, (str, pathlib.Path)):
+        f = _with_suffix(f)
+        name = repr(str(f))
+    else:
+        name = getattr(f, "name", None)
+        name = repr(name) if isinstance(name, str) else "the file object"
+    with _reasons("tree_deserialise_leaves", name, known), contextlib.ExitStack() as st:
+        if isinstance(f, pathlib.Path):
+            f = st.enter_context(open(f, "rb"))
+            _check_checksum(f, name)
+        if known:
+            _check_format(f, name)
         out = eqx.tree_deserialise_leaves(f, like, spec, with_indices(is_leaf))
     # Everything was read and Equinox's checks passed: now write every state.
     return staged.apply(out, "jaxstate.tree_deserialise_leaves", is_leaf)
 
 
-def _check_format(f) -> None:
+def _check_format(f, name: str) -> None:
     # Equinox's format is NumPy arrays one after another. Other files would fail
     # deep inside NumPy with a message about pickles or a missing `dtype`.
     if not (hasattr(f, "seekable") and f.seekable()):
@@ -555,21 +580,85 @@ def _check_format(f) -> None:
     f.seek(start)
     if head[:4] == b"PK\x03\x04":
         raise ValueError(
-            "jaxstate.tree_deserialise_leaves: this is an `.npz` archive, as "
+            f"jaxstate.tree_deserialise_leaves: {name} is an `.npz` archive, as "
             "`jaxstate.save` writes: load it with `jaxstate.load`. Nothing was loaded."
         )
     if head and head != b"\x93NUMPY":
         raise ValueError(
-            "jaxstate.tree_deserialise_leaves: this is not a file written by "
+            f"jaxstate.tree_deserialise_leaves: {name} is not a file written by "
             "`jaxstate.tree_serialise_leaves` or `eqx.tree_serialise_leaves` (those "
             "begin with a NumPy array). Nothing was loaded."
         )
 
 
+#
+# The checksum record that ends a file written to a path.
+#
+
+
+class _Hashing:
+    """A binary file object for writing, keeping the CRC-32 and the number of the
+    bytes written through it."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+
+def _checksum_record(crc: int, size: int) -> bytes:
+    # In fixed-width hexadecimal: every record has the same size, so a reader
+    # finds it from the end of the file.
+    buffer = io.BytesIO()
+    _header(buffer, {"crc32": f"{crc:08x}", "bytes": f"{size:016x}"})
+    return buffer.getvalue()
+
+
+_CHECKSUM_SIZE = len(_checksum_record(0, 0))
+
+
+def _check_checksum(f, name: str) -> None:
+    """Checks the checksum record a file (open at its start) ends with, if it
+    has one: files written by Equinox's own function have none."""
+    size = os.fstat(f.fileno()).st_size - _CHECKSUM_SIZE
+    if size < 0:
+        return
+    f.seek(size)
+    try:
+        meta = _parse(np.load(io.BytesIO(f.read()), allow_pickle=False))
+    except Exception:
+        meta = None  # no record, or a damaged one (the rest is checked as read)
+    f.seek(0)
+    if not (isinstance(meta, dict) and "crc32" in meta):
+        return
+    crc, left = 0, size
+    while left > 0:
+        chunk = f.read(min(left, 1 << 22))
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        left -= len(chunk)
+    f.seek(0)
+    if meta != {"jaxstate": 1, "crc32": f"{crc:08x}", "bytes": f"{size:016x}"}:
+        raise ValueError(
+            f"jaxstate.tree_deserialise_leaves: {name} is damaged: its bytes do not "
+            "match the checksum written with them. Load an intact copy. Nothing was "
+            "loaded."
+        )
+
+
 @contextlib.contextmanager
-def _reasons(fn: str) -> Iterator[None]:
+def _reasons(fn: str, name: str | None = None, known: bool = False) -> Iterator[None]:
     """Turns Equinox's error for a leaf back into the `ValueError` that caused it,
-    with the leaf's path."""
+    with the leaf's path, and the file's `name` when reading. With `known` (the
+    leaves are read by jaxstate's or Equinox's filter spec, not the user's), any
+    error while reading a leaf is the file's."""
     try:
         yield
     except RuntimeError as e:
@@ -578,9 +667,14 @@ def _reasons(fn: str) -> Iterator[None]:
         reason = e
         while isinstance(reason, RuntimeError) and reason.__cause__ is not None:
             reason = reason.__cause__
-        if isinstance(reason, ValueError):
+        damaged = known and reason is not e and not isinstance(reason, RuntimeError)
+        if isinstance(reason, ValueError) or damaged:
             where = jtu.keystr(tuple(getattr(e, "path", ()))).lstrip(".") or "the top"
-            raise ValueError(f"jaxstate.{fn}, at {where}: {reason}") from reason
+            what = str(reason)
+            if not isinstance(reason, ValueError):
+                what = f"the file cannot be read here ({reason!r}). Nothing was loaded."
+            file = "" if name is None else f": {name}"
+            raise ValueError(f"jaxstate.{fn}{file}, at {where}: {what}") from reason
         raise
 
 

@@ -35,8 +35,9 @@ from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
 def for_state(value: Any, ref: Any) -> Any:
     """A checked value, ready to be written to a state's buffer `ref`."""
     # The commit puts each value where the state's buffer is; across processes it
-    # needs a global array to start from.
-    if ref.sharding.is_fully_addressable:
+    # needs a global array to start from, and an uncommitted buffer an uncommitted
+    # value (a committed one would commit the state).
+    if ref.sharding.is_fully_addressable and ref.committed:
         return value
     return place(value, ref)
 

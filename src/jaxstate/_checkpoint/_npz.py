@@ -5,7 +5,6 @@ float8, int4 and keys round-trip exactly."""
 
 import json
 import pathlib
-import zipfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -100,51 +99,61 @@ def _read(path: str | pathlib.Path, fn: str) -> dict[str, Any]:
     if magic[:4] != b"PK\x03\x04":
         raise _not_ours(path, "it is not an `.npz` (zip) file")
     try:
-        data = np.load(path, allow_pickle=False)
-    except (zipfile.BadZipFile, ValueError, OSError) as e:
-        raise _not_ours(path, f"it cannot be read as an `.npz` file ({e})") from e
-    with data:
-        if "manifest" not in data.files:
-            raise _not_ours(
-                path,
-                "it has no jaxstate manifest (a plain `np.savez` file?). Load its "
-                "arrays with `np.load` and pass them to `jaxstate.load_state_dict`",
-            )
-        try:
-            meta = json.loads(bytes(data["manifest"]).decode())
-            version = meta.get("version", 0)
-            if meta.get("format", _FORMAT) != _FORMAT:
-                raise ValueError(f"unknown format {meta.get('format')!r}")
-        except (AttributeError, UnicodeDecodeError, ValueError) as e:
-            raise _not_ours(path, f"its manifest is damaged ({e})") from e
-        if version > _VERSION:
-            raise _not_ours(
-                path,
-                f"it was written by a newer jaxstate (format version {version}); "
-                "update jaxstate to read it",
-            )
-        try:
-            names, arrays = meta["names"], meta["arrays"]
-            keys = meta.get("keys", {})
-            mapping = {}
-            for i, name in enumerate(names):
-                dtype_name, shape = arrays[name]
-                dtype = jnp.dtype(dtype_name)
-                raw = data[f"a{i}"]
-                size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                if raw.dtype != np.uint8 or raw.shape != (size,):
-                    raise ValueError(
-                        f"entry {name!r} holds {raw.nbytes} bytes, expected {size}"
-                    )
-                value = raw.view(dtype).reshape(shape)
-                if name in keys:
-                    value = jax.random.wrap_key_data(
-                        jnp.asarray(value), impl=keys[name]
-                    )
-                mapping[name] = value
-        except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as e:
-            raise _not_ours(path, f"its manifest or entries are damaged ({e})") from e
+        data = _entries(path)
+    except Exception as e:
+        # A damaged zip file raises any of a dozen exceptions, from `zipfile`, its
+        # decompressors or NumPy (`BadZipFile`, `NotImplementedError`, `EOFError`,
+        # `OSError`, `RuntimeError`, ...); the file was opened above, so none of
+        # them is about the path itself.
+        raise _not_ours(
+            path, f"it is damaged: it cannot be read as an `.npz` file ({e!r})"
+        ) from e
+    if "manifest" not in data:
+        raise _not_ours(
+            path,
+            "it has no jaxstate manifest (a plain `np.savez` file?). Load its "
+            "arrays with `np.load` and pass them to `jaxstate.load_state_dict`",
+        )
+    try:
+        meta = json.loads(bytes(data["manifest"]).decode())
+        version = meta.get("version", 0)
+        if meta.get("format", _FORMAT) != _FORMAT:
+            raise ValueError(f"unknown format {meta.get('format')!r}")
+    except (AttributeError, UnicodeDecodeError, ValueError) as e:
+        raise _not_ours(path, f"its manifest is damaged ({e})") from e
+    if version > _VERSION:
+        raise _not_ours(
+            path,
+            f"it was written by a newer jaxstate (format version {version}); "
+            "update jaxstate to read it",
+        )
+    try:
+        names, arrays = meta["names"], meta["arrays"]
+        keys = meta.get("keys", {})
+        mapping = {}
+        for i, name in enumerate(names):
+            dtype_name, shape = arrays[name]
+            dtype = jnp.dtype(dtype_name)
+            raw = data[f"a{i}"]
+            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if raw.dtype != np.uint8 or raw.shape != (size,):
+                raise ValueError(
+                    f"entry {name!r} holds {raw.nbytes} bytes, expected {size}"
+                )
+            value = raw.view(dtype).reshape(shape)
+            if name in keys:
+                value = jax.random.wrap_key_data(jnp.asarray(value), impl=keys[name])
+            mapping[name] = value
+    except (KeyError, TypeError, ValueError) as e:
+        raise _not_ours(path, f"its manifest or entries are damaged ({e})") from e
     return mapping
+
+
+def _entries(path: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """Every array of an `.npz` file, each read whole, so that `zipfile` checks it
+    against its CRC-32 (a damaged byte is an error, never a different value)."""
+    with np.load(path, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
 
 
 def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:

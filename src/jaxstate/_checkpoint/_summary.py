@@ -42,17 +42,43 @@ class KindTotal:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """What [`jaxstate.summary`][] returns: `str(summary)` is a table; `rows` and
-    `totals` (by kind, `"params"` for the arrays, in order of appearance) are the
-    data, for programs."""
+    """What [`jaxstate.summary`][] returns: `str(summary)` is the printed table, and
+    these hold its numbers, for programs:
+
+    - `rows`: a tuple with one `SummaryRow` per line of the first table (an array,
+        or one leaf of a state), with the fields `name`, `kind` (`"params"` for an
+        array), `shape` and `dtype` (`None` for an index with no state yet),
+        `nbytes`, `sharding` (a short text, like `"cpu:0"`) and `persistent`.
+    - `totals`: a dict from each kind, in order of appearance, to a `KindTotal`
+        with the fields `count` (entries), `nbytes` and `saved_nbytes` (what
+        checkpoints hold): the lines of the second table, but its last.
+    - `total`: the `KindTotal` of every kind, that table's `total` line.
+    - `nbytes`: `total.nbytes`, the bytes of every array and state.
+
+    !!! example
+
+        ```python
+        s = jaxstate.summary(model)
+        s.totals["batch_stats"].nbytes, s.total.count, s.nbytes
+        ```
+    """
 
     rows: tuple[SummaryRow, ...]
     totals: dict[str, KindTotal]
 
     @property
+    def total(self) -> KindTotal:
+        """The totals of every kind together: the table's `total` line."""
+        return KindTotal(
+            sum(t.count for t in self.totals.values()),
+            sum(t.nbytes for t in self.totals.values()),
+            sum(t.saved_nbytes for t in self.totals.values()),
+        )
+
+    @property
     def nbytes(self) -> int:
-        """The bytes of every array and state."""
-        return sum(t.nbytes for t in self.totals.values())
+        """The bytes of every array and state (`total.nbytes`)."""
+        return self.total.nbytes
 
     def __str__(self) -> str:
         head = ("name", "kind", "shape", "dtype", "bytes", "sharding", "persistent")
@@ -73,9 +99,8 @@ class Summary:
             (kind, str(t.count), _size(t.nbytes), _size(t.saved_nbytes))
             for kind, t in self.totals.items()
         ]
-        saved = sum(t.saved_nbytes for t in self.totals.values())
-        count = sum(t.count for t in self.totals.values())
-        totals.append(("total", str(count), _size(self.nbytes), _size(saved)))
+        t = self.total
+        totals.append(("total", str(t.count), _size(t.nbytes), _size(t.saved_nbytes)))
         return "\n".join(lines + [""] + _columns(totals, right=(1, 2, 3)))
 
 
@@ -130,8 +155,8 @@ def summary(tree: PyTree, filter: Any = ...) -> Summary:
 
     **Returns:**
 
-    A [`jaxstate.Summary`][]: print it for the table; its `rows` and `totals`
-    hold the numbers.
+    A [`jaxstate.Summary`][]: print it for the table; its `rows`, `totals` (by
+    kind) and `total` (all kinds) hold the numbers.
 
     **Raises:**
 
@@ -141,7 +166,7 @@ def summary(tree: PyTree, filter: Any = ...) -> Summary:
 
         ```python
         print(jaxstate.summary(model))
-        print(jaxstate.summary(model, "cache").nbytes)
+        print(jaxstate.summary(model, "cache").total.nbytes)
         ```
     """
     contents = walk(tree, abstract=True).select(filter, "jaxstate.summary", saved=False)

@@ -12,6 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .. import _jax
 from .._core._checks import aval_text
 
 
@@ -167,14 +168,20 @@ def same(a: Any, b: Any) -> bool:
 
 def place(value: Any, like: Any) -> Any:
     """`value` (checked) where `like` lives: a NumPy array for a NumPy leaf, else a
-    JAX array with `like`'s sharding (when it has one)."""
+    JAX array with `like`'s sharding (when it has one), committed to its devices
+    exactly when `like` is (an array, or a state's reference)."""
     if isinstance(like, np.ndarray):
         return np.asarray(value)
     sharding = getattr(like, "sharding", None)
     if sharding is None:
         return jnp.asarray(value)
+    if getattr(like, "committed", True) is False:
+        # A compiled step's outputs are committed when any input is, and a step
+        # compiles again when an input's commitment changes: an array loaded in
+        # place of an uncommitted one stays uncommitted, on the same device.
+        return _uncommitted(jax.device_put(value, sharding))
     if isinstance(value, jax.Array):
-        if value.sharding == sharding:
+        if value.sharding == sharding and value.committed:
             return value
         if sharding.is_fully_addressable or not value.is_fully_addressable:
             return jax.device_put(value, sharding)
@@ -200,3 +207,10 @@ def place(value: Any, like: Any) -> Any:
         host = np.asarray(value)
         return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
     return jax.device_put(value, sharding)
+
+
+def _uncommitted(x: jax.Array) -> jax.Array:
+    if is_key_dtype(x.dtype):
+        data = _jax.uncommitted(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=key_impl(x.dtype))
+    return _jax.uncommitted(x)

@@ -13,6 +13,7 @@ declared with `define`. Checkpoints, `summary` and `reset` select states with a
   and kind.
 """
 
+import difflib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -68,14 +69,26 @@ def define(name: str) -> str:
     return name
 
 
-def check_kind(kind: Any, fn: str) -> str:
-    """`kind`, if it is a kind of state; else an error naming the fix."""
+def check_kind(kind: Any, fn: str, also: tuple[str, ...] = ()) -> str:
+    """`kind`, if it is a kind of state; else an error naming the fix. `also`:
+    other names the caller takes (`"params"`, in a filter), which a misspelt kind
+    may be."""
     if isinstance(kind, str) and kind in known():
         return kind
     if kind == PARAMS:
         raise ValueError(
             f'`{fn}`: "params" names the tree\'s arrays, not a kind of state. Give '
             f"the state one of the kinds {known()}."
+        )
+    close = (
+        difflib.get_close_matches(kind, [*known(), *also], n=1)
+        if isinstance(kind, str)
+        else []
+    )
+    if close:
+        raise ValueError(
+            f"`{fn}`: unknown kind {kind!r}. Did you mean {close[0]!r}? (A kind of "
+            f"your own is declared with `jaxstate.kinds.define({kind!r})`.)"
         )
     raise ValueError(
         f"`{fn}`: unknown kind {kind!r}. The kinds are {known()}; declare one of "
@@ -107,7 +120,7 @@ def check_filter(filter: Any, fn: str) -> None:
             check_filter(f, fn)
     elif isinstance(filter, str):
         if filter != PARAMS:
-            check_kind(filter, fn)
+            check_kind(filter, fn, also=(PARAMS,))
     else:
         raise TypeError(
             f"`{fn}`: {filter!r} is not a filter. A filter is a kind (a string, "

@@ -1,5 +1,6 @@
 """jaxstate's only changes to JAX itself, installed on import: two narrow extensions
-of its batching rules, and the commitment of references.
+of its batching rules, the commitment of references, and one cache more for
+`jax.clear_caches()` to clear.
 
 The batching rules change only cases where JAX (0.10.x) raises; every other case
 goes to JAX's own rule unchanged. They exist because jaxstate keeps state in
@@ -7,6 +8,9 @@ goes to JAX's own rule unchanged. They exist because jaxstate keeps state in
 docs/design.md, "vmap"). A reference is committed to a device when its buffer is
 (`_jax.buffer_commitment_of_refs`), so that a compiled call touching state returns
 uncommitted arrays from uncommitted inputs, as it would without state.
+`jax.clear_caches()` also clears the cache through which `eqx.filter_jit` kept
+every model holding an index in static data (`_jax.clear_donation_cache_with_jax`;
+docs/design.md, "Lifetime").
 """
 
 import jax.lax as lax
@@ -100,3 +104,4 @@ if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
         _rule.jaxstate_patch = True  # pyright: ignore[reportFunctionMemberAccess]
         _jax.set_batching_rule(_prim, _rule)
 _jax.buffer_commitment_of_refs()
+_jax.clear_donation_cache_with_jax()

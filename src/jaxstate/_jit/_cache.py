@@ -32,11 +32,12 @@ class Programs:
 
 # A plain function's programs live as long as the function: the call keys name it
 # through a weak reference (`_parts.function_part`), so nothing here keeps it
-# alive (so do another callable's that is no pytree, such as an
-# `eqx.filter_custom_vjp`). A module's (`jaxstate.jit(model)`, `jaxstate.jit(eqx.filter_grad(f))`) are
-# shared by the modules of its class, whose keys name their structure and static
-# fields; `eqx.clear_caches()` drops them. Anything else (a bound method of a plain
-# class, made anew at each access; an unhashable callable) lives with its wrapper.
+# alive; so do those of another callable that is no pytree (an
+# `eqx.filter_custom_vjp`, a `functools.partial`). A module's (`jaxstate.jit(model)`,
+# `jaxstate.jit(eqx.filter_grad(f))`) are shared by the modules of its class, whose
+# keys name their structure and static fields; `eqx.clear_caches()` drops them. A
+# plain class's bound method (made anew at each access) or an unhashable callable
+# keeps its programs with its wrapper.
 _of_functions: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 _of_module_types: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()

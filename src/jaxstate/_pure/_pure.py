@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .._checkpoint._load import for_state
 from .._checkpoint._values import check_value
 from .._checkpoint._walk import leaf_paths, walk
 from .._core._buffers import commit, snapshot
@@ -180,7 +181,20 @@ def from_pure(pure_fun: Callable, tree: PyTree) -> Callable:
             leaves = checked_state(storages, new_state, "new_state", "from_pure")
         except ValueError as e:
             raise ValueError(f"{e} Nothing was written.") from None
-        commit([(storages[name], leaves[name]) for name in storages])
+        # Placed like the buffers they replace: an exported function's results are
+        # committed to a device even when its inputs were not.
+        commit(
+            [
+                (
+                    s,
+                    [
+                        for_state(v, r)
+                        for v, r in zip(leaves[n], s.refs or (), strict=True)
+                    ],
+                )
+                for n, s in storages.items()
+            ]
+        )
         return out
 
     return fun
