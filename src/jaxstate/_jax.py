@@ -12,6 +12,7 @@ Nothing outside this file imports from `jax._src`.
 """
 
 import inspect
+import itertools
 import operator
 import sys
 import weakref
@@ -204,8 +205,13 @@ def holder_buffers(holders: list) -> list:
 
 
 def set_holder_buffers(holders: list, bufs: list) -> None:
-    for holder, buf in zip(holders, bufs, strict=True):
-        holder._buf = buf
+    if len(holders) != len(bufs):
+        raise ValueError(f"{len(bufs)} buffers for {len(holders)} references")
+    # (A loop in C: this runs on every call.)
+    any(map(setattr, holders, _BUF_NAMES, bufs))
+
+
+_BUF_NAMES = itertools.repeat("_buf")
 
 
 def buffer_commitment_of_refs() -> None:

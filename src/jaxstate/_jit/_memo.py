@@ -14,6 +14,7 @@ from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
 
 # What is remembered: objects whose part can change only where a guard sees it.
 _REMEMBERED = (eqx.Module, tuple, list, dict)
+_BUILTIN = (tuple, list, dict)
 
 
 class _Held:
@@ -26,6 +27,14 @@ class _Held:
 
     def __call__(self):
         return self.obj
+
+
+class _Ref(weakref.ref):
+    """A weak reference to a remembered module, which knows its memo key: when the
+    module dies, dropping its entries is a lookup (this happens on every training
+    step, to the last step's model)."""
+
+    __slots__ = ("key",)
 
 
 def _same(xs: list, ys: list) -> bool:
@@ -80,6 +89,7 @@ class Memo:
         self.entries: dict[int, tuple[Any, Part]] = {}
         self.used: dict[int, tuple[Any, Part]] = {}
         self.last: Last | None = None
+        self._dropping = self._drop  # (one bound method, not one per call)
 
     def fun_part(self) -> Part:
         # Worked out again until its states have values.
@@ -164,20 +174,25 @@ class Memo:
         return arrays, (call if last.call is None else last.call)
 
     def remember(self, tree, part: Part) -> None:
-        # Modules by weak reference; tuples, lists and dicts, which have none, until
-        # the next call. (`issubclass` of the type: `isinstance` on a module goes
-        # through Equinox's `__getattribute__`.)
-        if issubclass(type(tree), eqx.Module):
-            self.used[id(tree)] = (weakref.ref(tree, self._drop), part)
+        # Tuples, lists and dicts, which have no weak references, until the next
+        # call; modules by weak reference. (`issubclass` of the type against
+        # builtins: on a module, `isinstance` goes through Equinox's
+        # `__getattribute__`, and `issubclass(..., eqx.Module)` through `abc`.)
+        key = id(tree)
+        if issubclass(type(tree), _BUILTIN):
+            self.used[key] = (_Held(tree), part)
         else:
-            self.used[id(tree)] = (_Held(tree), part)
+            ref = _Ref(tree, self._dropping)
+            ref.key = key
+            self.used[key] = (ref, part)
 
-    def _drop(self, ref) -> None:
-        # The module died: forget its part (there are only a call's few entries).
+    def _drop(self, ref: _Ref) -> None:
+        # The module died: forget its part, and with it the arrays it lists.
+        key = ref.key
         for d in (self.entries, self.used):
-            for key, entry in list(d.items()):
-                if entry[0] is ref:
-                    del d[key]
+            entry = d.get(key)
+            if entry is not None and entry[0] is ref:
+                del d[key]
 
     def next_call(self) -> None:
         """Keeps what this call used or returned; forgets the rest."""

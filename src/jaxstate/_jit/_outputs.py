@@ -110,9 +110,18 @@ class OutPart:
 
     def leaves(self, arrays: list, call: Part) -> list:
         """The leaves to unflatten `treedef` with, from a call's output arrays."""
+        template = call.templates.get(self)
+        if template is None:
+            template = call.templates[self] = self._leaves_around(call)
+        leaves = template.copy()
+        # (A loop in C: this runs on every call.)
+        any(map(leaves.__setitem__, self._array_pos, arrays))
+        return leaves
+
+    def _leaves_around(self, call: Part) -> list:
+        """The leaves without the arrays: statics, and the handles and indices of
+        the call's states."""
         leaves = self._statics.copy()
-        for i, array in zip(self._array_pos, arrays, strict=True):
-            leaves[i] = array
         handles = call.handles
         for i, number in self._slot_pos:
             leaves[i] = handles[number]

@@ -122,6 +122,7 @@ class Part:
         "holders",
         "ids",
         "indices",
+        "templates",
         "statics",
         "fixed",
         "mutable",
@@ -137,6 +138,7 @@ class Part:
         holders_: list | None = None,
         ids: list[int] | None = None,
         indices: dict | None = None,
+        templates: dict | None = None,
         statics: Sequence[Storage] = (),
         fixed: bool = True,
         mutable: bool = False,
@@ -153,6 +155,9 @@ class Part:
         # The `StateIndex` objects returned for these states, by (slot, flag), kept
         # for the next returned module: rebuilding them costs more than reusing.
         self.indices = {} if indices is None else indices
+        # Each output's leaves around these states, without its arrays, by its
+        # `OutPart` (what every call of a training loop copies and fills in).
+        self.templates = {} if templates is None else templates
         # The storages of indices in static positions.
         self.statics = statics
         # Whether every state has its value: until then a state's signature (and so
@@ -185,6 +190,7 @@ class Part:
             self.holders,
             self.ids,
             self.indices,
+            self.templates,
             statics,
             fixed,
             False,
