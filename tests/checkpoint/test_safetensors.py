@@ -107,6 +107,11 @@ def test_damaged_and_foreign_files_name_the_file(tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=f"'{tmp_path / name}' cannot be read"):
             jaxstate.read_state_dict(tmp_path / name)
+    # A dtype the package writes, but cannot read into NumPy.
+    f8 = tmp_path / "f8.safetensors"
+    safetensors_numpy.save_file({"w": np.zeros(2, ml_dtypes.float8_e4m3fn)}, str(f8))
+    with pytest.raises(ValueError, match=r"f8.safetensors'.*entry 'w' \(F8_E4M3\)"):
+        jaxstate.read_state_dict(f8)
     index = tmp_path / "model.safetensors.index.json"
     for content in ("{", '{"weight_map": 3}', '{"other": {}}'):
         index.write_text(content)
@@ -132,6 +137,8 @@ def test_what_safetensors_cannot_store_is_an_error_and_writes_nothing(tmp_path):
     path = tmp_path / "x.safetensors"
     with pytest.raises(ValueError, match="safetensors cannot store.*`.npz`"):
         jaxstate.write_state_dict(path, {"a": np.zeros(2, ml_dtypes.int4)})
+    with pytest.raises(ValueError, match="'b' is float8_e4m3fn.*`.npz`"):
+        jaxstate.write_state_dict(path, {"b": np.zeros(2, ml_dtypes.float8_e4m3fn)})
     assert not path.exists() and list(tmp_path.iterdir()) == []
     with pytest.raises(TypeError, match="names \\(strings\\)"):
         jaxstate.write_state_dict(path, {3: np.zeros(2)})

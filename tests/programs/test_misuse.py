@@ -100,6 +100,8 @@ EXPECTED = {
     "load-state-dict-missing",
     "load-state-dict-aliases",
     "load-foreign-file",
+    "load-state-dict-missing-layer",
+    "load-torch-batchnorm-mode",
     "unknown-kind",
     "filter-selects-nothing",
     "rename-collision",
@@ -110,6 +112,7 @@ EXPECTED = {
     "bn-axis-name",
     "bn-mode",
     "bn-momentum",
+    "bn-torch-one-value",
     "bn-inference-mode-jax-jit",
 }
 ALLOWED = {"same-index-twice"}

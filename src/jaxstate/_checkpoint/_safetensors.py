@@ -153,6 +153,13 @@ def write_safetensors(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> N
         if isinstance(value, jax.Array) and is_key_dtype(value.dtype):
             keys[name] = key_impl(value.dtype)
         arrays[name] = np.asarray(to_host(value), order="C")  # 0-d stays 0-d
+        if arrays[name].dtype.name.startswith(("float8", "float4")):
+            # The package writes them, but cannot read them back into NumPy.
+            raise ValueError(
+                f"`{fn}`: entry {name!r} is {arrays[name].dtype}, which safetensors "
+                "files cannot give back to NumPy; write an `.npz` instead (any other "
+                "suffix), which stores every dtype."
+            )
     metadata = {"format": "np"}
     if keys:
         metadata[_KEYS] = json.dumps(keys)
