@@ -3,6 +3,8 @@ slice 3 of a stack's `h.ln.weight`, and `state_dict(per_layer=...)` writes such
 names, so that a stack built by `eqx.filter_vmap` round-trips to a per-layer
 checkpoint (PyTorch's, Hugging Face's)."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from tests.helpers import assert_same_state, assert_unchanged, snapshot
+from tests.helpers import assert_same_state, assert_unchanged, ROOT, snapshot
 
 
 LAYERS = 3
@@ -133,7 +135,7 @@ class Group(eqx.Module):
         self.layers = make(jax.random.split(key, 3))
 
 
-def test_stacks_of_stacks_and_bad_per_layer_paths():
+def test_stacks_of_stacks_and_bad_per_layer_paths(wrong_type_raises):
     # A stack of 2 groups, each a stack of 3 layers: one index each.
     tree = {"enc": eqx.filter_vmap(Group)(jax.random.split(jax.random.key(0), 2))}
     assert tree["enc"].layers.weight.shape == (2, 3, 2, 2)
@@ -154,7 +156,7 @@ def test_stacks_of_stacks_and_bad_per_layer_paths():
         jaxstate.state_dict(
             {"m": {"a": jnp.ones((2, 1)), "b": jnp.ones((4, 1))}}, per_layer="['m']"
         )
-    with pytest.raises(TypeError, match="per_layer takes the path"):
+    with wrong_type_raises(TypeError, match="per_layer takes the path"):
         jaxstate.state_dict(model, per_layer=[3])
     with pytest.raises(ValueError, match="names 'h' twice"):
         jaxstate.state_dict(model, per_layer=["h", "h"])
@@ -180,3 +182,50 @@ def test_a_name_that_two_stacks_explain_is_an_error():
     # Given whole, the stacks load.
     out = jaxstate.load_state_dict(Stacks(jax.random.key(1)), jaxstate.state_dict(like))
     assert_same_state(out, like)
+
+
+class AttentionBlock(eqx.Module):
+    attn: jaxstate.nn.CachedSelfAttention
+
+    def __init__(self, key):
+        biases = dict(use_query_bias=True, use_key_bias=True, use_value_bias=True)
+        mha = eqx.nn.MultiheadAttention(2, 8, **biases, use_output_bias=True, key=key)
+        self.attn = jaxstate.nn.CachedSelfAttention(mha, max_len=4)
+
+
+class Decoder(eqx.Module):
+    h: AttentionBlock  # stacked
+
+    def __init__(self, key):
+        self.h = eqx.filter_vmap(AttentionBlock)(jax.random.split(key, 2))
+
+
+def test_one_fused_entry_into_several(tmp_path, monkeypatch):
+    # docs/checkpoints.md's block: GPT-2's fused `c_attn`, split into the query,
+    # key and value projections of a stack of `eqx.nn.MultiheadAttention`s.
+    pytest.importorskip("safetensors")
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "np.split" in b
+    ]
+    rng = np.random.default_rng(0)
+    weights = {}
+    for i in range(2):
+        prefix = f"transformer.h.{i}.attn."
+        weights[prefix + "c_attn.weight"] = rng.normal(size=(8, 24)).astype("f4")
+        weights[prefix + "c_attn.bias"] = rng.normal(size=24).astype("f4")
+        weights[prefix + "c_proj.weight"] = rng.normal(size=(8, 8)).astype("f4")
+        weights[prefix + "c_proj.bias"] = rng.normal(size=8).astype("f4")
+    monkeypatch.chdir(tmp_path)
+    jaxstate.write_state_dict("model.safetensors", weights)
+    namespace = {"model": Decoder(jax.random.key(0)), "layers": 2}
+    exec(block, namespace)
+    mha = namespace["model"].h.attn.attention
+    fused = weights["transformer.h.1.attn.c_attn.weight"]
+    np.testing.assert_array_equal(mha.key_proj.weight[1], fused[:, 8:16].T)
+    np.testing.assert_array_equal(
+        mha.value_proj.bias[0], weights["transformer.h.0.attn.c_attn.bias"][16:]
+    )
+    np.testing.assert_array_equal(
+        mha.output_proj.weight[1], weights["transformer.h.1.attn.c_proj.weight"].T
+    )

@@ -133,14 +133,16 @@ def test_damaged_and_foreign_files_name_the_file(tmp_path):
     assert_unchanged(model, before)
 
 
-def test_what_safetensors_cannot_store_is_an_error_and_writes_nothing(tmp_path):
+def test_what_safetensors_cannot_store_is_an_error_and_writes_nothing(
+    tmp_path, wrong_type_raises
+):
     path = tmp_path / "x.safetensors"
     with pytest.raises(ValueError, match="safetensors cannot store.*`.npz`"):
         jaxstate.write_state_dict(path, {"a": np.zeros(2, ml_dtypes.int4)})
     with pytest.raises(ValueError, match="'b' is float8_e4m3fn.*`.npz`"):
         jaxstate.write_state_dict(path, {"b": np.zeros(2, ml_dtypes.float8_e4m3fn)})
     assert not path.exists() and list(tmp_path.iterdir()) == []
-    with pytest.raises(TypeError, match="names \\(strings\\)"):
+    with wrong_type_raises(TypeError, match="names \\(strings\\)"):
         jaxstate.write_state_dict(path, {3: np.zeros(2)})
     # jaxstate's `.npz` stores it.
     jaxstate.write_state_dict(tmp_path / "x.npz", {"a": np.zeros(2, ml_dtypes.int4)})
