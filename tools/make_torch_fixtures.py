@@ -362,7 +362,7 @@ def check_gpt2() -> None:
     assert tokens == outputs["tokens"].tolist(), (tokens, outputs["tokens"])
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CONFIG)).eval()
     state = example.hf_state_dict(model)
-    hf.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    hf.load_state_dict({k: torch.tensor(v) for k, v in state.items()}, strict=True)
     with torch.no_grad():
         back = hf(torch.tensor([PROMPT])).logits[0].numpy()
     diff = _max_diff(logits, outputs["logits"])

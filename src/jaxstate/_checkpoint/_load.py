@@ -219,13 +219,15 @@ def _targets(entries: list) -> dict[str, Target]:
         for i, (ref, names) in enumerate(
             zip(entry.refs, entry.all_names(), strict=True)
         ):
-            read = lambda entry=entry, i=i: Contents([entry], []).read()[
-                entry.storage.id
-            ][i]
-            current = None if entry.abstract else read
+            current = None if entry.abstract else _reader(entry, i)
             for name in names:
                 out[name] = Target(ref.shape, ref.dtype, current)
     return out
+
+
+def _reader(entry: StateEntry, i: int) -> Callable[[], Any]:
+    """A function reading leaf `i` of the state of `entry` (a copy)."""
+    return lambda: Contents([entry], []).read()[entry.storage.id][i]
 
 
 def _by_layer(

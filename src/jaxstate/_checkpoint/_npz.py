@@ -168,7 +168,8 @@ def write_state_dict(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> No
     for jaxstate's `.npz`. [`jaxstate.read_state_dict`][] reads either back.
 
     safetensors stores float16/32/64, bfloat16, integers, bool and complex64 (not
-    int4 or complex128), and PRNG keys as their key data (read back as keys).
+    int4, complex128 or float8), and PRNG keys as their key data (read back as
+    keys).
 
     **Arguments:**
 

@@ -43,7 +43,9 @@ def is_safetensors(path: str | pathlib.Path) -> bool:
             head = f.read(9)
     except OSError:
         return False
-    return len(head) == 9 and head[8:] == b"{" and head[:2] != b"PK"
+    # Not a zip (`.npz`) nor a NumPy stream (Equinox's), whatever their 9th byte.
+    foreign = head.startswith((b"PK", b"\x93NUMPY"))
+    return len(head) == 9 and head[8:] == b"{" and not foreign
 
 
 def _package(fn: str) -> Any:

@@ -54,7 +54,7 @@ class BatchNorm(eqx.Module):
       seen so far, with weight `momentum**age`; the same as an EMA started at zero
       and divided by `1 - momentum**steps`, Haiku's rule (`hk.BatchNorm`). The
       state holds the average itself. Measured on a small CNN, the most accurate
-      of the four in inference early in training.
+      of the four measured (all but "torch") in inference early in training.
     - `mode="batch"`: `equinox.nn.BatchNorm(mode="batch")`, number for number: the
       variance's EMA starts at 1 and is divided by `1 - momentum**steps` too, which
       inflates it early in training.
