@@ -14,6 +14,7 @@ from ._checkpoint._npz import (
     load as load,
     read_state_dict as read_state_dict,
     save as save,
+    write_state_dict as write_state_dict,
 )
 from ._checkpoint._orbax import (
     checkpoint_tree as checkpoint_tree,

@@ -1,6 +1,7 @@
 """Loading checkpoints of another structure: `rename=` and `convert=`, a file from
 an older version of one's own model, and the PyTorch recipe of
-docs/checkpoints.md, run on a fixture made from known arrays (no PyTorch needed)."""
+docs/checkpoints.md (`layout="torch"`), run on a fixture made from known arrays (no
+PyTorch needed; tests/checkpoint/test_torch.py has files PyTorch wrote)."""
 
 import re
 
@@ -161,8 +162,7 @@ class Net(eqx.Module):
 
     def __init__(self, key):
         k1, k2 = jax.random.split(key)
-        # PyTorch's momentum 0.1 is momentum 0.9 in "flax" mode.
-        bn = dict(axis_name="batch", momentum=0.9, eps=1e-5, mode="flax")
+        bn = dict(axis_name="batch", mode="torch")  # PyTorch's numbers
         self.conv = eqx.nn.Conv2d(2, 3, 3, key=k1)
         self.bn2d = jaxstate.nn.BatchNorm(3, **bn)
         self.linear = eqx.nn.Linear(12, 5, key=k2)
@@ -219,21 +219,29 @@ def _torch_eval(sd, x):
 
 
 def test_the_pytorch_recipe(tmp_path, monkeypatch):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
     page = (ROOT / "docs" / "checkpoints.md").read_text()
     (block,) = [
         b
         for b in re.findall(r"```python\n(.*?)```", page, re.S)
-        if "def from_torch" in b
+        if 'np.load("torch.npz")' in b
     ]
     rng = np.random.default_rng(0)
     sd = _torch_state_dict(rng)
     monkeypatch.chdir(tmp_path)
     np.savez("torch.npz", **sd)
+    safetensors_numpy.save_file(sd, "net.safetensors")
     model = Net(jax.random.key(0))
     namespace = {"model": model}
     exec(block, namespace)
     loaded = namespace["model"]
     assert int(loaded.bn2d.counter.unsafe_get()) == 17
+    # Written back under PyTorch's names, shapes and dtypes, bit for bit.
+    back = jaxstate.read_state_dict("trained.safetensors")
+    assert sorted(back) == sorted(sd)
+    for name, value in sd.items():
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        assert back[name].tobytes() == value.tobytes(), name
     x = rng.normal(size=(4, 2, 4, 4)).astype(np.float32)
     infer = jaxstate.tree_inference(loaded, True)
     out = jax.vmap(infer, axis_name="batch")(jnp.asarray(x))
@@ -245,7 +253,7 @@ def test_the_pytorch_recipe(tmp_path, monkeypatch):
     before = snapshot(fresh)
     with pytest.raises(ValueError, match=r"entry 'conv.bias' has shape \(3,\)"):
         jaxstate.load_state_dict(
-            fresh, dict(np.load("torch.npz")), rename=namespace["from_torch"]
+            fresh, {k: v for k, v in sd.items() if "bn" not in k}, strict=False
         )
     with pytest.raises(KeyError, match="unexpected entries"):
         jaxstate.load_state_dict(fresh, dict(np.load("torch.npz")))

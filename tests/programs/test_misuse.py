@@ -101,6 +101,8 @@ EXPECTED = {
     "load-state-dict-missing",
     "load-state-dict-aliases",
     "load-foreign-file",
+    "load-state-dict-missing-layer",
+    "load-torch-batchnorm-mode",
     "unknown-kind",
     "filter-selects-nothing",
     "rename-collision",
@@ -111,6 +113,7 @@ EXPECTED = {
     "bn-axis-name",
     "bn-mode",
     "bn-momentum",
+    "bn-torch-one-value",
     "bn-inference-mode-jax-jit",
 }
 ALLOWED = {"same-index-twice", "passed-and-closed", "mixed-halves"}

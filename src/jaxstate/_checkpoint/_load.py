@@ -27,7 +27,9 @@ from .._core._buffers import commit
 from .._core._index import StateIndex, with_storage
 from .._core._kinds import matches
 from .._core._storage import holding_like, is_set, Storage
+from ._layers import group_layers, layer_of, stack_layers, Target
 from ._reset import reset_value
+from ._torch import torch_value, TorchLayout
 from ._values import check_value, place, same
 from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
 
@@ -132,6 +134,7 @@ class Options:
     # a name or `None` to leave the entry out), and a conversion of each value.
     rename: Mapping[str, str] | Callable[[str], str | None] | None = None
     convert: Callable[[str, Any], Any] | None = None
+    layout: str | None = None  # the mapping's names and layouts: "torch" (`_torch.py`)
     dtype_fix: str | None = None  # see `check_value`
     # The fix for names that differ, naming the options the function takes.
     names_fix: str = (
@@ -143,6 +146,8 @@ class Options:
 def check_entry(name: str, value: Any, shape: tuple, dtype: Any, options: Options):
     """The check of the value given for the entry `name` (see `check_value`)."""
     where = f"{options.fn}: entry {name!r}"
+    if options.layout == "torch":
+        value = torch_value(value, shape, dtype)
     return check_value(where, value, shape, dtype, dtype_fix=options.dtype_fix)
 
 
@@ -202,6 +207,75 @@ def _names(entry) -> list[str]:
     return [n for names in entry.all_names() for n in names]
 
 
+def _targets(entries: list) -> dict[str, Target]:
+    """Every name of `entries` (aliases included), with what it is loaded into."""
+    out: dict[str, Target] = {}
+    for entry in entries:
+        if isinstance(entry, ArrayEntry):
+            leaf = entry.leaf
+            abstract = isinstance(leaf, jax.ShapeDtypeStruct)
+            current = None if abstract else (lambda leaf=leaf: leaf)
+            out[entry.name] = Target(leaf.shape, leaf.dtype, current)
+            continue
+        for i, (ref, names) in enumerate(
+            zip(entry.refs, entry.all_names(), strict=True)
+        ):
+            current = None if entry.abstract else _reader(entry, i)
+            for name in names:
+                out[name] = Target(ref.shape, ref.dtype, current)
+    return out
+
+
+def _reader(entry: StateEntry, i: int) -> Callable[[], Any]:
+    """A function reading leaf `i` of the state of `entry` (a copy)."""
+    return lambda: Contents([entry], []).read()[entry.storage.id][i]
+
+
+def _by_layer(
+    tree: Any, mapping: dict[str, Any], contents: Contents, options: Options
+) -> dict[str, Any]:
+    """`mapping` under the tree's names: PyTorch's translated (`layout`), the
+    entries of the tree left out dropped, per-layer entries converted one by one
+    and stacked (`_layers.py`), every other entry converted."""
+    targets = _targets(contents.entries + contents.left_out)
+
+    def resolve(name: str) -> str | None:
+        if name in targets:
+            return name
+        found = layer_of(name, targets)
+        return None if found is None else found.stacked
+
+    if options.layout == "torch":
+        mapping = TorchLayout(tree, options.fn).model_names(mapping, resolve)
+    ignored = {n for e in contents.left_out for n in _names(e)}
+    mapping = {n: v for n, v in mapping.items() if n not in ignored}
+    whole, layers = group_layers(mapping, targets, options.fn)
+    convert = options.convert
+    if convert is not None:
+        whole = {n: convert(n, v) for n, v in whole.items()}
+
+    def check(name, value, shape, dtype):
+        return check_entry(name, value, shape, dtype, options)
+
+    for stacked, given in layers.items():
+        if stacked in ignored:
+            continue
+        values = {
+            i: mapping[g.name] if convert is None else convert(g.name, mapping[g.name])
+            for i, g in given.items()
+        }
+        whole[stacked] = stack_layers(
+            stacked,
+            values,
+            given,
+            targets[stacked],
+            check,
+            strict=options.strict,
+            fn=options.fn,
+        )
+    return whole
+
+
 def load_mapping(
     tree: Any,
     mapping: Mapping[str, Any],
@@ -214,12 +288,7 @@ def load_mapping(
         contents = walk(tree, abstract=True)
     contents = contents.select(options.filter, options.fn, saved=True)
     mapping = _renamed(mapping, options)
-    # The entries of the tree left out (not selected, or not persistent) are known,
-    # and not loaded.
-    ignored = {n for e in contents.left_out for n in _names(e)}
-    mapping = {n: v for n, v in mapping.items() if n not in ignored}
-    if options.convert is not None:
-        mapping = {n: options.convert(n, v) for n, v in mapping.items()}
+    mapping = _by_layer(tree, mapping, contents, options)
     arrays = {e.name: e for e in contents.arrays}
     known = set(arrays)
     missing = [name for name in arrays if name not in mapping]

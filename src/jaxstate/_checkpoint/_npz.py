@@ -17,6 +17,8 @@ from jaxtyping import PyTree
 from .._core._checks import check_outside
 from ._files import atomic_write
 from ._load import load_mapping, Options
+from ._safetensors import is_safetensors, read_safetensors, write_safetensors
+from ._torch import check_layout
 from ._values import is_key_dtype, key_impl, to_host
 from ._walk import walk
 
@@ -39,7 +41,8 @@ def save(path: str | pathlib.Path, tree: PyTree, filter: Any = ...) -> None:
 
     **Arguments:**
 
-    - `path`: the file to write (conventionally `.npz`).
+    - `path`: the file to write: `.npz` by convention, or `.safetensors` for the
+        safetensors format (see [`jaxstate.write_state_dict`][]).
     - `tree`: the model, or any PyTree holding models, arrays and optimiser states.
     - `filter`: which entries to save, by kind (see `jaxstate.kinds`); everything
         by default.
@@ -52,11 +55,16 @@ def save(path: str | pathlib.Path, tree: PyTree, filter: Any = ...) -> None:
         ```
     """
     check_outside("jaxstate.save")
+    _write(path, walk(tree).select(filter, "jaxstate.save", saved=True).items())
+
+
+def _write(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> None:
+    if str(path).endswith(".safetensors"):
+        write_safetensors(path, mapping)
+        return
     arrays = {}
     keys = {}
-    for name, array in (
-        walk(tree).select(filter, "jaxstate.save", saved=True).items().items()
-    ):
+    for name, array in mapping.items():
         if isinstance(array, jax.Array) and is_key_dtype(array.dtype):
             keys[name] = key_impl(array.dtype)
         arrays[name] = to_host(array)
@@ -156,14 +164,63 @@ def _entries(path: str | pathlib.Path) -> dict[str, np.ndarray]:
         return {name: data[name] for name in data.files}
 
 
-def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:
-    """The entries of a file written by [`jaxstate.save`][], as a mapping: to look
-    inside a checkpoint, or to load one of another structure (an older version of
-    the model) with [`jaxstate.load_state_dict`][]'s `rename=` and `strict=False`.
+def _read_any(path: str | pathlib.Path, fn: str) -> dict[str, Any]:
+    if is_safetensors(path):
+        return read_safetensors(path, fn)
+    return _read(path, fn)
+
+
+def write_state_dict(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> None:
+    """Writes a mapping of names to arrays (a [`jaxstate.state_dict`][], perhaps
+    renamed) to one file, atomically: `.safetensors` for the safetensors format
+    (Hugging Face's; needs `pip install "jaxstate[safetensors]"`), any other name
+    for jaxstate's `.npz`. [`jaxstate.read_state_dict`][] reads either back.
+
+    safetensors stores float16/32/64, bfloat16, integers, bool and complex64 (not
+    int4, complex128 or float8), and PRNG keys as their key data (read back as
+    keys).
 
     **Arguments:**
 
     - `path`: the file.
+    - `mapping`: names to array-likes (JAX or NumPy arrays, PyTorch's tensors
+        converted with `.numpy()`).
+
+    **Raises:**
+
+    `TypeError` for a mapping whose names are not strings; `ValueError` for a
+    dtype safetensors cannot store.
+
+    !!! example
+
+        ```python
+        weights = jaxstate.state_dict(model, per_layer="h", layout="torch")
+        jaxstate.write_state_dict("model.safetensors", weights)
+        ```
+    """
+    check_outside("jaxstate.write_state_dict")
+    if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
+        raise TypeError(
+            "jaxstate.write_state_dict takes a dict from names (strings) to arrays, "
+            "as `jaxstate.state_dict` gives."
+        )
+    _write(path, mapping)
+
+
+def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:
+    """The entries of a checkpoint file, as a mapping: to look inside it, or to
+    load one of another structure (an older version of the model, a PyTorch
+    model) with [`jaxstate.load_state_dict`][]'s `rename=` and `strict=False`.
+
+    Reads files written by [`jaxstate.save`][] and
+    [`jaxstate.write_state_dict`][] (`.npz`), and safetensors files, Hugging
+    Face's format: one `.safetensors` file, or a sharded checkpoint given by its
+    index (`model.safetensors.index.json`), each shard opened once (safetensors
+    needs `pip install "jaxstate[safetensors]"`).
+
+    **Arguments:**
+
+    - `path`: the file, or a sharded checkpoint's `.json` index.
 
     **Returns:**
 
@@ -172,7 +229,9 @@ def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:
 
     **Raises:**
 
-    `ValueError` if the file was not written by `jaxstate.save`.
+    `ValueError`, naming the file, for a file that is neither (a plain `np.savez`
+    file, a damaged file, a shard its index names that is missing or lacks an
+    entry).
 
     !!! example
 
@@ -184,7 +243,7 @@ def read_state_dict(path: str | pathlib.Path) -> dict[str, Any]:
         )
         ```
     """
-    return _read(path, "jaxstate.read_state_dict")
+    return _read_any(path, "jaxstate.read_state_dict")
 
 
 _OTHER_X64 = (
@@ -201,9 +260,11 @@ def load(
     filter: Any = ...,
     rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
     convert: Callable[[str, Any], Any] | None = None,
+    layout: str | None = None,
 ) -> PyTree:
     """Loads a file written by [`jaxstate.save`][] into a model of the same
-    structure.
+    structure (or any file [`jaxstate.read_state_dict`][] reads: a safetensors
+    checkpoint, with `layout="torch"` a PyTorch or Hugging Face one).
 
     The whole file is read and checked, then every state is written at once: on
     any error nothing is changed. States made with `persistent=False` are left as
@@ -215,7 +276,7 @@ def load(
     - `like`: a model of the same structure: freshly built (its state is
         overwritten in place), or built with `eqx.filter_eval_shape` /
         `jax.eval_shape` (no arrays allocated; the result gets new states).
-    - `strict`, `filter`, `rename`, `convert`: as for
+    - `strict`, `filter`, `rename`, `convert`, `layout`: as for
         [`jaxstate.load_state_dict`][]. With `strict=False`, entries of `like`
         that the file does not hold keep their values, and entries of the file
         that `like` does not have are left out (a file from an older version of
@@ -234,12 +295,14 @@ def load(
     entries, a `ValueError` naming an entry whose shape or dtype differs.
     """
     check_outside("jaxstate.load")
+    check_layout(layout, "jaxstate.load")
     options = Options(
         "load",
         strict=strict,
         filter=filter,
         rename=rename,
         convert=convert,
+        layout=layout,
         dtype_fix=_OTHER_X64,
     )
-    return load_mapping(like, _read(path, "jaxstate.load"), options)
+    return load_mapping(like, _read_any(path, "jaxstate.load"), options)

@@ -1,17 +1,25 @@
 """A flat, readable view of a model's arrays and state, like PyTorch's
 `state_dict`: for inspection, checkpoints, and loading statistics from elsewhere."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jaxtyping import Array, PyTree
 
 from .._core._checks import check_outside
+from ._layers import check_per_layer, split_layers
 from ._load import load_mapping, Options
+from ._torch import check_layout, TorchLayout
 from ._walk import walk
 
 
-def state_dict(tree: PyTree, filter: Any = ...) -> dict[str, Array]:
+def state_dict(
+    tree: PyTree,
+    filter: Any = ...,
+    *,
+    per_layer: str | Sequence[str] = (),
+    layout: str | None = None,
+) -> dict[str, Array]:
     """Every array of `tree` and every leaf of its state, by key path.
 
     State leaves are named by the path to their `StateIndex` followed by their path
@@ -33,6 +41,16 @@ def state_dict(tree: PyTree, filter: Any = ...) -> dict[str, Array]:
     - `filter`: which entries to give, by kind (see `jaxstate.kinds`): e.g.
         `"batch_stats"`, `"params"` for the arrays, `("params", "ema")`,
         `jaxstate.kinds.Not("rng")`. Everything by default.
+    - `per_layer`: the path of a stack of layers built with `eqx.filter_vmap`
+        (`"blocks"`), or several: its entries are given one per layer,
+        `blocks[3].ln_1.weight` for slice 3 of `blocks.ln_1.weight`, as
+        PyTorch and Hugging Face checkpoints name them.
+        [`jaxstate.load_state_dict`][] takes such names back.
+    - `layout`: `"torch"` for PyTorch's names and layouts (`layer1.0.conv1.weight`,
+        a BatchNorm's `running_mean`, `running_var` and int64
+        `num_batches_tracked`, a convolution's bias of shape `(out,)`), which
+        PyTorch's `load_state_dict` takes; `per_layer` names then read
+        `blocks.3.ln_1.weight`. jaxstate's own by default.
 
     **Returns:**
 
@@ -41,17 +59,32 @@ def state_dict(tree: PyTree, filter: Any = ...) -> dict[str, Array]:
     **Raises:**
 
     `ValueError` for a filter that selects nothing (naming the kinds the tree
-    holds) or names an unknown kind.
+    holds) or names an unknown kind, for a `per_layer` path that is not a stack,
+    an unknown `layout`, or, with `layout="torch"`, a BatchNorm in mode "batch" or
+    "ema" (whose statistics PyTorch's do not hold).
 
     !!! example
 
         ```python
         for name, array in jaxstate.state_dict(model).items():
             print(name, array.shape)
+        weights = jaxstate.state_dict(gpt2, per_layer="h", layout="torch")
         ```
     """
-    check_outside("jaxstate.state_dict")
-    return walk(tree).select(filter, "jaxstate.state_dict", saved=True).items()
+    fn = "jaxstate.state_dict"
+    check_outside(fn)
+    check_layout(layout, fn)
+    prefixes = check_per_layer(per_layer, fn)
+    items = walk(tree).select(filter, fn, saved=True).items()
+    if layout is None:
+        return split_layers(items, prefixes, fn) if prefixes else items
+    names = TorchLayout(tree, fn)
+    items = names.export(items)
+    if not prefixes:
+        return items
+    return split_layers(
+        items, prefixes, fn, spell=names.torch_name, index=lambda i: f".{i}"
+    )
 
 
 def load_state_dict(
@@ -62,6 +95,7 @@ def load_state_dict(
     filter: Any = ...,
     rename: Mapping[str, str] | Callable[[str], str | None] | None = None,
     convert: Callable[[str, Any], Any] | None = None,
+    layout: str | None = None,
 ):
     """Loads arrays and state from a mapping made by [`jaxstate.state_dict`][] (or
     built by hand, or read from another framework's checkpoint).
@@ -74,6 +108,13 @@ def load_state_dict(
     any of its aliases (see [`jaxstate.state_dict`][]); names given for the same
     state must hold the same value. States made with `persistent=False` are left as
     they are, whatever the mapping holds for them.
+
+    **Per-layer names.** An entry of a stack of layers built with `eqx.filter_vmap`
+    may be given one layer at a time: `blocks[3].ln_1.weight` is slice 3 of
+    `blocks.ln_1.weight` (the name with an index taken out; one axis per index).
+    Each layer is converted and checked on its own, then the layers are stacked. A
+    strict load needs every layer; with `strict=False` the layers not given keep
+    their values, and layers past the stack's are unexpected names.
 
     **Arguments:**
 
@@ -92,8 +133,17 @@ def load_state_dict(
         kept), or a function of the name returning the new name, or `None` to
         leave the entry out. Two entries renamed to one name are an error.
     - `convert`: a function `(name, value) -> value` applied to each entry (under
-        its new name) before it is checked: to transpose a weight, cast a dtype,
-        reshape a bias.
+        its new name, per-layer entries one by one) before it is checked: to
+        transpose a weight, cast a dtype, reshape a bias.
+    - `layout`: `"torch"` for a mapping under PyTorch's names and layouts (a
+        PyTorch or Hugging Face `state_dict`; see [`jaxstate.state_dict`][]):
+        `layer1.0.conv1.weight` is matched to `layer1[0].conv1.weight` (or an
+        `eqx.nn.Sequential`'s `layer1.layers[0].conv1.weight`), per-layer names
+        `h.3.ln_1.weight` to a stack's `h.ln_1.weight`, a BatchNorm's buffers to
+        its state, and a bias of shape `(out,)` and an int64 counter are fitted to
+        the model's. `rename` gives PyTorch's names of the model's entries (as
+        `state_dict(tree, layout="torch")` lists them); `convert` sees the model's
+        names.
 
     **Returns:**
 
@@ -105,10 +155,11 @@ def load_state_dict(
 
     **Raises:**
 
-    `KeyError` for missing or unexpected names; `ValueError` for a shape or dtype
-    mismatch, for names of one state that disagree, for a renaming that gives two
-    entries one name, or for a filter that selects nothing, naming the entries and
-    the fix.
+    `KeyError` for missing or unexpected names (missing layers of a stack
+    included); `ValueError` for a shape or dtype mismatch, for names of one state
+    that disagree, for a renaming that gives two entries one name, for an entry
+    given both whole and by layer, or for a filter that selects nothing, naming
+    the entries and the fix.
 
     !!! example
 
@@ -117,11 +168,13 @@ def load_state_dict(
         ```
     """
     check_outside("jaxstate.load_state_dict")
+    check_layout(layout, "jaxstate.load_state_dict")
     options = Options(
         "load_state_dict",
         strict=strict,
         filter=filter,
         rename=rename,
         convert=convert,
+        layout=layout,
     )
     return load_mapping(tree, mapping, options)

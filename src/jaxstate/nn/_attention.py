@@ -72,6 +72,10 @@ class CachedSelfAttention(eqx.Module):
     When the tokens do not fit in the cache, the call raises (`on_overflow="error"`,
     the default), or returns NaN and leaves the cache unchanged
     (`on_overflow="nan"`).
+
+    Attention of another layout (one fused query/key/value projection, as GPT-2's;
+    grouped queries) is written over a [`jaxstate.nn.KVCache`][] directly: the KV
+    cache guide shows GPT-2's.
     """
 
     attention: eqx.nn.MultiheadAttention

@@ -1,5 +1,7 @@
+import math
 import warnings
 from collections.abc import Hashable, Sequence
+from types import EllipsisType
 from typing import Any, Literal
 
 import equinox as eqx
@@ -25,8 +27,8 @@ from ._util import (
 )
 
 
-Mode = Literal["debiased", "batch", "flax", "ema"]
-_MODES = ("debiased", "batch", "flax", "ema")
+Mode = Literal["debiased", "batch", "flax", "ema", "torch"]
+_MODES = ("debiased", "batch", "flax", "ema", "torch")
 
 
 class BatchNorm(eqx.Module):
@@ -44,7 +46,7 @@ class BatchNorm(eqx.Module):
         eval_bn = jaxstate.tree_inference(bn, True)
         ```
 
-    Four modes. The first three normalise with the batch statistics in training,
+    Five modes. The first three normalise with the batch statistics in training,
     and keep an exponential moving average (EMA) of them for inference; they differ
     only in what inference normalises with (docs/batch-norm.md compares them):
 
@@ -52,16 +54,18 @@ class BatchNorm(eqx.Module):
       seen so far, with weight `momentum**age`; the same as an EMA started at zero
       and divided by `1 - momentum**steps`, Haiku's rule (`hk.BatchNorm`). The
       state holds the average itself. Measured on a small CNN, the most accurate
-      of the four in inference early in training.
+      of the four measured (all but "torch") in inference early in training.
     - `mode="batch"`: `equinox.nn.BatchNorm(mode="batch")`, number for number: the
       variance's EMA starts at 1 and is divided by `1 - momentum**steps` too, which
       inflates it early in training.
     - `mode="flax"`: the plain EMA, started at mean 0 and variance 1. Flax's rule
-      (`nnx.BatchNorm`, `flax.linen.BatchNorm`), also Keras's, and PyTorch's with
-      `momentum = 1 - torch_momentum` (PyTorch's running variance is the unbiased
-      one).
+      (`nnx.BatchNorm`, `flax.linen.BatchNorm`), also Keras's.
     - `mode="ema"`: `equinox.nn.BatchNorm(mode="ema")`, number for number. Training
       normalises with the running statistics blended with the batch statistics.
+    - `mode="torch"`: PyTorch's `nn.BatchNorm1d/2d/3d`, with PyTorch's momentum (the
+      weight of the *new* batch, 0.1 by default; `momentum=None` is the cumulative
+      average): training normalises with the biased batch variance and moves
+      `running_var` towards the unbiased one. `counter` is `num_batches_tracked`.
 
     Leaving `mode` unset gives `"debiased"` with a warning, since
     `equinox.nn.BatchNorm` with `mode` unset is `"ema"`.
@@ -90,7 +94,7 @@ class BatchNorm(eqx.Module):
     input_size: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     channelwise_affine: bool = eqx.field(static=True)
-    momentum: float = eqx.field(static=True)
+    momentum: float | None = eqx.field(static=True)
     mode: Mode = eqx.field(static=True)
     # The dtype the layer was built with: of the affine parameters and, with the
     # input's, of the output (the statistics are in at least float32).
@@ -102,7 +106,7 @@ class BatchNorm(eqx.Module):
         axis_name: Hashable | Sequence[Hashable],
         eps: float = 1e-5,
         channelwise_affine: bool = True,
-        momentum: float = 0.99,
+        momentum: float | None | EllipsisType = ...,
         inference: bool = False,
         dtype=None,
         mode: Mode | None = None,
@@ -114,7 +118,10 @@ class BatchNorm(eqx.Module):
             batch statistics over.
         - `eps`: added to the variance for numerical stability.
         - `channelwise_affine`: whether to learn a per-channel scale and shift.
-        - `momentum`: the decay of the running statistics, in (0, 1).
+        - `momentum`: the decay of the running statistics (the weight of the old
+            value), in (0, 1); 0.99 if not given. In `mode="torch"`, PyTorch's
+            momentum instead: the weight of the new batch, in [0, 1], 0.1 if not
+            given, or `None` for the cumulative average of every batch.
         - `inference`: if `True`, normalise with the running statistics and leave
             them alone. Toggle with [`jaxstate.tree_inference`][].
         - `dtype`: dtype of the affine parameters and of the running statistics;
@@ -123,13 +130,14 @@ class BatchNorm(eqx.Module):
             them in float32 (docs/batch-norm.md says why). Input of any dtype is fine:
             its statistics are computed in the wider of its dtype and the
             statistics', and stored cast to the statistics'.
-        - `mode`: `"debiased"`, `"batch"`, `"flax"` or `"ema"`, see above. Unset, it
+        - `mode`: `"debiased"`, `"batch"`, `"flax"`, `"ema"` or `"torch"`, see
+            above. Unset, it
             is `"debiased"`, with a warning that says how to get
             `equinox.nn.BatchNorm`'s numbers; pass it to silence the warning.
 
         **Raises:**
 
-        `ValueError` for an unknown `mode` or a `momentum` outside (0, 1).
+        `ValueError` for an unknown `mode` or a `momentum` outside its range.
 
         **Warns:**
 
@@ -143,7 +151,8 @@ class BatchNorm(eqx.Module):
                 "batch statistics seen so far). Note that `eqx.nn.BatchNorm` with "
                 "`mode` unset uses 'ema' instead: pass `mode='ema'` to get its "
                 "numbers (or `mode='batch'` for `eqx.nn.BatchNorm(mode='batch')`, "
-                "`mode='flax'` for Flax's `BatchNorm`). Pass `mode='debiased'` to "
+                "`mode='flax'` for Flax's `BatchNorm`, `mode='torch'` for PyTorch's). "
+                "Pass `mode='debiased'` to "
                 "silence this warning.",
                 stacklevel=user_stacklevel(),
             )
@@ -152,7 +161,20 @@ class BatchNorm(eqx.Module):
                 f"BatchNorm mode must be one of {', '.join(map(repr, _MODES))}, got "
                 f"{mode!r}."
             )
-        if not 0 < momentum < 1:
+        if momentum is ...:
+            momentum = 0.1 if mode == "torch" else 0.99
+        if mode == "torch":
+            if momentum is not None and not 0 <= momentum <= 1:
+                raise ValueError(
+                    "BatchNorm(mode='torch') takes PyTorch's momentum, the weight of "
+                    f"the new batch, in [0, 1] (or `None`), got {momentum}."
+                )
+        elif momentum is None:
+            raise ValueError(
+                "BatchNorm momentum=None (PyTorch's cumulative average) needs "
+                "mode='torch'."
+            )
+        elif not 0 < momentum < 1:
             raise ValueError(f"BatchNorm momentum must be in (0, 1), got {momentum}.")
         dtype = np.dtype(default_float() if dtype is None else dtype)
         if channelwise_affine:
@@ -199,8 +221,28 @@ class BatchNorm(eqx.Module):
         # numbers as Python's float to the power of an int32 array (which JAX
         # computes in float32 too), and no implicit promotion, which
         # `jax.numpy_dtype_promotion("strict")` refuses.
+        assert self.momentum is not None
         real = real_dtype(dtype)
         return jnp.power(jnp.asarray(self.momentum, real), exponent.astype(real))
+
+    def _values_per_channel(self, x) -> int:
+        """How many values each channel's batch statistics are over (known when
+        tracing): the examples of the batch vmaps times the spatial size."""
+        examples = reduce_over(
+            lax.psum,
+            1,
+            "`jaxstate.nn.BatchNorm`",
+            self.axis_name,
+            "the batch statistics are means over that vmap",
+        )
+        n = int(examples) * math.prod(x.shape[1:])
+        if n < 2:
+            raise ValueError(
+                "BatchNorm(mode='torch') needs more than one value per channel in "
+                f"training, as PyTorch does, got {n}: the running variance divides "
+                "by n - 1. Train with a larger batch, or call it in inference mode."
+            )
+        return n
 
     def _inference_statistics(self, counter, hidden_mean, hidden_var):
         if self.mode != "batch":
@@ -313,6 +355,7 @@ class BatchNorm(eqx.Module):
                 first_time = get_state(self.first_time)
                 batch_mean, batch_var = jax.vmap(stats)(xs)
                 m = self.momentum
+                assert m is not None
                 mean = (1 - m) * batch_mean + m * stored_mean
                 var = (1 - m) * batch_var + m * stored_var
                 mean = lax.select(first_time, batch_mean, mean)
@@ -324,9 +367,27 @@ class BatchNorm(eqx.Module):
             counter = get_state(self.counter)
             if inference:
                 mean, var = self._inference_statistics(counter, stored_mean, stored_var)
+            elif self.mode == "torch":
+                # PyTorch's rule: the new batch weighs `momentum` (or 1/count, for
+                # the cumulative average), and the running variance takes the
+                # unbiased batch variance, `n / (n - 1)` times the one normalised
+                # with.
+                n = self._values_per_channel(x)
+                mean, var = jax.vmap(stats)(xs)
+                if self.momentum is None:
+                    w = 1 / (counter + 1).astype(real_dtype(compute))
+                else:
+                    w = self.momentum
+                new = (
+                    (1 - w) * stored_mean + w * mean,
+                    (1 - w) * stored_var + w * (var * (n / (n - 1))),
+                )
+                store(self.batch_state, new)
+                set_state(_writable(self.counter), counter + 1)
             else:
                 mean, var = jax.vmap(stats)(xs)
                 m = self.momentum
+                assert m is not None
                 if self.mode == "debiased":
                     # The weighted average, updated: the newest batch's weight
                     # among `counter + 1` is `(1 - m) / (1 - m**(counter + 1))`
