@@ -43,6 +43,18 @@ def collect():
     return run
 
 
+@pytest.fixture(autouse=True)
+def _programs_of_this_test_only():
+    """Each test compiles its own programs: `jaxstate.jit` shares them by function
+    (as `eqx.filter_jit` does), so a module-level function would otherwise come
+    compiled from whichever test ran before it, and compile counts would depend on
+    the order."""
+    from jaxstate._jit import _cache
+
+    _cache.clear()
+    yield
+
+
 # tests/pure/sharded/ needs 8 CPU devices, fixed when JAX starts:
 # tests/pure/test_sharding.py runs it in a fresh process.
 if not os.environ.get("JAXSTATE_SHARDED_TESTS"):

@@ -76,6 +76,31 @@ def test_state_closed_over_by_jaxstate_jit():
         jaxstate.jit(closed_step)(1.0)
 
 
+def _closed_step_one(index):
+    def step(x):
+        _bump(index)
+        return x
+
+    return step
+
+
+def _closed_step_two(index):
+    def step(x):
+        _bump(index)
+        return x
+
+    return step
+
+
+def test_two_functions_of_one_name_each_warn_under_jaxstate_jit():
+    # Told apart by their place in the source, not only by their name.
+    index = _counter()
+    for make in (_closed_step_one, _closed_step_two):
+        with pytest.warns(jaxstate.SlowPathWarning, match="`step`"):
+            jaxstate.jit(make(index))(1.0)
+    assert index.unsafe_get() == 2
+
+
 def test_it_can_be_silenced():
     index = _counter()
     with warnings.catch_warnings():

@@ -103,8 +103,18 @@ def test_jaxstate_jit_commits_the_state_of_a_model_placed_without_it(returns):
     assert model.calls.unsafe_get().committed
 
 
+def _fresh(body):
+    # A function of this test's own: programs are kept with the function, so a
+    # module-level one may come compiled from another test (as under
+    # `eqx.filter_jit`).
+    def step(model, opt_state, x):
+        return body(model, opt_state, x)
+
+    return step
+
+
 def test_a_second_model_of_the_same_structure_reuses_the_program():
-    step = jaxstate.jit(returns_model_and_opt_state)
+    step = jaxstate.jit(_fresh(returns_model_and_opt_state))
     x = jnp.ones((4, 3))
     with compile_log() as compiled:
         for seed in range(3):
@@ -113,7 +123,7 @@ def test_a_second_model_of_the_same_structure_reuses_the_program():
             for _ in range(2):
                 model, opt_state = step(model, opt_state, x)
             assert int(model.calls.unsafe_get()) == 2
-    assert compiled.count("returns_model_and_opt_state") == 1
+    assert compiled.count("step") == 1
 
 
 def test_the_state_stays_uncommitted_with_the_model():
@@ -150,14 +160,14 @@ def test_a_loop_compiles_once_across_saves_and_loads(jit, tmp_path):
     # placement).
     model = LinearBatchNorm(jax.random.key(0))
     opt_state = OPTIMISER.init(eqx.filter(model, eqx.is_array))
-    step = jit(returns_model_and_opt_state)
+    step = jit(_fresh(returns_model_and_opt_state))
     x = jnp.ones((4, 3))
     with compile_log() as compiled:
         model, opt_state = step(model, opt_state, x)
         for how in ("state_dict", "save", "tree_serialise_leaves"):
             model, opt_state = _reload(how, (model, opt_state), tmp_path)
             model, opt_state = step(model, opt_state, x)
-    assert compiled.count("returns_model_and_opt_state") == 1
+    assert compiled.count("step") == 1
     assert int(model.calls.unsafe_get()) == 4
     assert not model.linear.weight.committed
 

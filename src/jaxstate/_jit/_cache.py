@@ -66,10 +66,11 @@ def programs_for(fun: Any, donate: str, jitkwargs: dict) -> Programs:
     return programs
 
 
-def _clear() -> None:
+def clear() -> None:
+    """Forgets every function's programs (`eqx.clear_caches()` calls this)."""
     with _lock:
         _of_functions.clear()
         _of_module_types.clear()
 
 
-_equinox.on_clear_caches(_clear)
+_equinox.on_clear_caches(clear)

@@ -110,9 +110,16 @@ class OutPart:
 
     def leaves(self, arrays: list, call: Part) -> list:
         """The leaves to unflatten `treedef` with, from a call's output arrays."""
-        template = call.templates.get(self)
-        if template is None:
-            template = call.templates[self] = self._leaves_around(call)
+        if call.storages:
+            template = call.templates.get(self)
+            if template is None:
+                template = call.templates[self] = self._leaves_around(call)
+        else:
+            # A call without states may share its part (`EMPTY`) with every other
+            # function's: keeping the template there would keep this output, and
+            # the states it returns, alive for good. (Without states there are no
+            # slots or passed indices to fill in.)
+            template = self._statics
         leaves = template.copy()
         # (A loop in C: this runs on every call.)
         any(map(leaves.__setitem__, self._array_pos, arrays))

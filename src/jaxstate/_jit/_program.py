@@ -3,8 +3,10 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 "jaxstate.jit".
 """
 
+import inspect
 import os
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -87,6 +89,15 @@ class Program:
         # profiles and `SlowPathWarning`s, the user's function's name.
         inner.__name__ = getattr(fun, "__name__", "jaxstate_jit")
         inner.__qualname__ = getattr(fun, "__qualname__", inner.__name__)
+        code = getattr(fun, "__code__", None)
+        if code is not None:
+            # ... and after its place in the source (JAX follows `__wrapped__`),
+            # which tells two functions of one name apart. A stand-in holding only
+            # the code: the function itself must not be kept alive by its programs.
+            inner.__signature__ = inspect.signature(inner)  # pyright: ignore
+            inner.__wrapped__ = types.SimpleNamespace(  # pyright: ignore
+                __code__=code, __name__=inner.__name__
+            )
         self._traced = inner
         self.jitted = jax.jit(inner, donate_argnums=(1, 2), **jitkwargs)
         self.donating = True
