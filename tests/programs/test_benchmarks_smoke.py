@@ -218,6 +218,7 @@ def test_s6a_time_to_first_step():
     _check_first_steps(fs, names, once=[_s6.BASELINE, s6_mlp.EQX])
 
 
+@pytest.mark.slow  # a ResNet's training step, compiled by each of S6d's rows
 def test_s6d_time_to_first_step_quick():
     cfg = Config.make(quick=True)
     assert cfg.s6d_stages == 1 and not cfg.first_check_round
@@ -239,6 +240,7 @@ def test_s6d_time_to_first_step_quick():
     assert s6_resnet.n_batchnorms(4) == 21
 
 
+@pytest.mark.slow  # S7 compiles three training steps at two depths, two decoders
 def test_s7_deep_models_quick():
     # `--quick`'s depths (2 and 4 layers) and 2-layer decoder, one round of each.
     cfg = dataclasses.replace(Config.make(quick=True), rounds=1, chunk_s=0.0)
