@@ -97,13 +97,13 @@ def run_python(
 # by a few ULPs on another. Their results are compared with one of these.
 #
 
-ROUNDING = dict(rtol=1e-5, atol=1e-5)
+ROUNDING: dict[str, Any] = dict(rtol=1e-5, atol=1e-5)
 """Two programs computing the same float32 forward pass (a few layers, sums of up to
 a few hundred terms of order one): each result within ~100 ULPs (float32's ULP at 1
 is 1.2e-7) of the other, relative to its size, or 1e-5 absolute where a sum cancels
 to near zero. `np.testing.assert_allclose(a, b, **ROUNDING)`."""
 
-TRAINING_ROUNDING = dict(rtol=1e-4, atol=1e-5)
+TRAINING_ROUNDING: dict[str, Any] = dict(rtol=1e-4, atol=1e-5)
 """Two programs training the same float32 model for a few steps (gradients, and the
 parameters and statistics they update): the forward pass's `ROUNDING` differences,
 amplified by normalisation (a BatchNorm divides by a small batch's deviation) and
