@@ -75,7 +75,10 @@ def test_variants_agree_and_table_has_rows(module):
     assert [v.name for v in variants] == module.ROWS
     errors = []
     agreement, results = check(
-        variants, STEPS, on_error=lambda v, e: errors.append((v.name, repr(e)))
+        variants,
+        STEPS,
+        on_error=lambda v, e: errors.append((v.name, repr(e))),
+        **TRAINING_ROUNDING,
     )
     assert not errors
     for v in variants:
