@@ -98,6 +98,11 @@ def typechecked(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]):
+    # The longest tests (`slow`: subprocesses, whole trainings, the benchmarks) run
+    # first, so that `-n 2`'s workers (`--dist worksteal`, pyproject.toml) share out
+    # the short ones at the end instead of one worker finishing a long test alone.
+    # Every worker sorts the same list the same way, as xdist requires.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     # The typechecked pass must fit in CI's time: it leaves out the tests marked
     # `not_typechecked` (registered in pyproject.toml), which call the same entry
     # points as the rest of the suite over and over (whole training runs, threads

@@ -83,6 +83,33 @@ def run_python(
     return result
 
 
+#
+# Tolerances: where two results come from different programs.
+#
+# Bits are compared exactly where the computation is the same program (the same
+# compiled function on the same values, in place against a copy, a save and load
+# round trip, integer and key arithmetic, a mask or a copy of a value). Two
+# different programs for the same float maths (eager against compiled, a scan
+# against a Python loop, another fusion, a batch against one example, jaxstate's
+# layer against its reference) may order a sum or fuse a multiply-add differently,
+# and which they do depends on the CPU too: XLA and its kernels pick other code for
+# AVX-512, AVX2 or SSE, so two programs that agree to the bit on one machine differ
+# by a few ULPs on another. Their results are compared with one of these.
+#
+
+ROUNDING: dict[str, Any] = dict(rtol=1e-5, atol=1e-5)
+"""Two programs computing the same float32 forward pass (a few layers, sums of up to
+a few hundred terms of order one): each result within ~100 ULPs (float32's ULP at 1
+is 1.2e-7) of the other, relative to its size, or 1e-5 absolute where a sum cancels
+to near zero. `np.testing.assert_allclose(a, b, **ROUNDING)`."""
+
+TRAINING_ROUNDING: dict[str, Any] = dict(rtol=1e-4, atol=1e-5)
+"""Two programs training the same float32 model for a few steps (gradients, and the
+parameters and statistics they update): the forward pass's `ROUNDING` differences,
+amplified by normalisation (a BatchNorm divides by a small batch's deviation) and
+by the backward pass, then carried from step to step."""
+
+
 ignore_unset_mode_warning = pytest.mark.filterwarnings(
     r"ignore:`jaxstate\.nn\.BatchNorm\(\.\.\., mode=\.\.\.\)` is unset:UserWarning"
 )

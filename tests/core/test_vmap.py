@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxstate
+from tests.helpers import ROUNDING
 
 
 def _members(n, value):
@@ -175,7 +176,7 @@ def test_ensemble_keeps_one_state_per_member(compiled):
     for i in range(4):
         alone = Member(keys[i])
         alone(xs[i])
-        np.testing.assert_allclose(alone(xs[i]), out[i], rtol=1e-6)
+        np.testing.assert_allclose(alone(xs[i]), out[i], **ROUNDING)
 
 
 def test_ensemble_members_can_be_called_per_example():
@@ -191,5 +192,5 @@ def test_ensemble_members_can_be_called_per_example():
     xs = jnp.arange(12.0).reshape(2, 2, 3)
     eqx.filter_jit(call)(ensemble, xs)
     np.testing.assert_allclose(
-        ensemble.total.unsafe_get(), ensemble.w * xs.mean(1), rtol=1e-6
+        ensemble.total.unsafe_get(), ensemble.w * xs.mean(1), **ROUNDING
     )

@@ -9,9 +9,9 @@ wanted behaviour where it is not what happens (they flip to failures when fixed)
     and for the bodies of `lax.scan`/`cond`/`fori_loop`/`jaxstate.while_loop` and
     `jax.checkpoint` even when called eagerly (they trace their body). Eager `vmap`
     and eager `grad` are different: they run their body operation by operation, so
-    writes before the exception have landed, as in any eager code. So does a
-    `jaxstate.jit` function called inside an eager `vmap`: it "traces through" to
-    the vmap, which is eager, so it is not compiled at all (xfail below).
+    writes before the exception have landed, as in any eager code. A `jaxstate.jit`
+    function called inside an eager `vmap` is compiled (and cached) as a nested
+    `jax.jit` is, so it writes nothing when it fails.
 
 (b) At run time:
     - `checkify`: a failed `checkify.check` is a value, not an exception: the step

@@ -16,14 +16,16 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import jaxstate
 from jaxstate.nn import CachedSelfAttention, KVCache
-from tests.helpers import assert_unchanged, JITS, snapshot
+from tests.helpers import assert_unchanged, JITS, ROUNDING, snapshot
 
 
 # Not in the typechecked pass (conftest.py): decodes token by token.
 pytestmark = pytest.mark.not_typechecked
 
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+# Compiled against eager, or against the reference layer: different programs
+# (tests/helpers.py).
+TOL = ROUNDING
 VOCAB, DIM, HEADS, MAX_LEN = 11, 16, 2, 12
 
 

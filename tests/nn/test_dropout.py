@@ -14,7 +14,7 @@ import pytest
 
 import jaxstate
 from jaxstate.nn import Dropout, RNGStream
-from tests.helpers import JITS
+from tests.helpers import JITS, ROUNDING
 
 
 P = 0.3
@@ -334,11 +334,14 @@ def test_training_step_with_grad_and_inference_eval():
         net, _ = step(net, xs)
     assert int(net.dropout.rng.count) == 3
     frozen = jaxstate.tree_inference(net, True)
-    np.testing.assert_array_equal(
+    # Dropout passes its input through: the compiled net is the eager Linear, up to
+    # how each program computes the product (tests/helpers.py).
+    np.testing.assert_allclose(
         np.asarray(
             jaxstate.jit(lambda n, xs: jax.vmap(n, axis_name="batch")(xs))(frozen, xs)
         ),
         np.asarray(jax.vmap(net.linear)(xs)),
+        **ROUNDING,
     )
     assert int(net.dropout.rng.count) == 3
 

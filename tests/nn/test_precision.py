@@ -32,6 +32,7 @@ from jaxstate.nn import (
     RNGStream,
     SpectralNorm,
 )
+from tests.helpers import ROUNDING
 
 
 F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
@@ -384,7 +385,7 @@ def _check_mixed(mode, affine, x_dtype, layer_dtype):
             assert theirs == expected_dtype
     for ours, theirs in zip(bn.running_statistics(), ref.running_statistics()):
         assert ours.dtype == F32
-        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(ours, theirs, **ROUNDING)
 
 
 #

@@ -12,14 +12,15 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.not_typechecked
 
 
-pytest.importorskip("sklearn")
-pytest.importorskip("tqdm")
-
 EXAMPLES = ROOT / "examples"
 
 
 @pytest.fixture(scope="module")
 def train_digits():
+    # Imported here, not when the module is collected: every worker of both CI
+    # passes collects this file, and scikit-learn alone takes ~0.7 s to import.
+    pytest.importorskip("sklearn")
+    pytest.importorskip("tqdm")
     sys.path.insert(0, str(EXAMPLES))
     try:
         import train_digits

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from tests.helpers import JITS
+from tests.helpers import JITS, ROUNDING, TRAINING_ROUNDING
 
 
 # Not in the typechecked pass (conftest.py): a library's program, every compiler.
@@ -129,7 +129,7 @@ def _key_bits(x):
 
 def _assert_same_params(a, b):
     for u, v in zip(jtu.tree_leaves(a), jtu.tree_leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(u, v, **TRAINING_ROUNDING)
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,9 @@ def test_published_pattern_trains_like_the_hand_threaded_model(
         # The call that made the library crash.
         out = model(x[0])
         key, sub = jr.split(key)
-        np.testing.assert_allclose(out, _forward(layers, P, sub, x[0]), rtol=1e-5)
+        np.testing.assert_allclose(
+            out, _forward(layers, P, sub, x[0]), **TRAINING_ROUNDING
+        )
         np.testing.assert_array_equal(
             _key_bits(model.dropout_key.unsafe_get()), _key_bits(key)
         )
@@ -165,14 +167,14 @@ def test_published_pattern_trains_like_the_hand_threaded_model(
         after = _key_bits(model.dropout_key.unsafe_get())
         assert not np.array_equal(before, after)
         np.testing.assert_array_equal(after, _key_bits(key))
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        np.testing.assert_allclose(loss, ref_loss, **TRAINING_ROUNDING)
         losses.append(float(loss))
     _assert_same_params(model.layers, layers)
     np.testing.assert_array_equal(model.dropout_p.unsafe_get(), P)
     # And called on its own after training, as when evaluating.
     out = model(x[0])
     key, sub = jr.split(key)
-    np.testing.assert_allclose(out, _forward(layers, P, sub, x[0]), rtol=1e-5)
+    np.testing.assert_allclose(out, _forward(layers, P, sub, x[0]), **TRAINING_ROUNDING)
     np.testing.assert_array_equal(
         _key_bits(model.dropout_key.unsafe_get()), _key_bits(key)
     )
@@ -309,7 +311,7 @@ def _expected(op, state, x, y):
 
 
 def _assert_close(actual, expected, what):
-    np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6, err_msg=what)
+    np.testing.assert_allclose(actual, expected, err_msg=what, **ROUNDING)
 
 
 X0 = np.array([1.0, -2.0, 0.5], np.float32)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxstate
-from tests.helpers import assert_unchanged, LinearBatchNorm, snapshot
+from tests.helpers import assert_unchanged, LinearBatchNorm, ROUNDING, snapshot
 
 
 x = jax.random.normal(jax.random.key(1), (8, 3))
@@ -24,7 +24,7 @@ def test_pure_function_returns_the_new_state_and_leaves_storage_alone():
     before = snapshot(model)
     for f in (pure, jax.jit(pure)):
         out, new_state = f(state, x)
-        np.testing.assert_allclose(out, reference(x) if f is pure else out, rtol=1e-6)
+        np.testing.assert_allclose(out, reference(x) if f is pure else out, **ROUNDING)
         assert new_state["calls"] == 1 and new_state["bn.counter"] == 1
         assert_unchanged(model, before)
     out2, state2 = pure(new_state, x)
@@ -122,7 +122,7 @@ def test_pmap_over_a_pure_function():
     replicated = jax.tree.map(lambda a: jnp.stack([a] * n), state)
     out, new_state = jax.pmap(pure)(replicated, jnp.stack([x] * n))
     single_out, single_state = pure(state, x)
-    np.testing.assert_allclose(out[0], single_out, rtol=1e-6)
+    np.testing.assert_allclose(out[0], single_out, **ROUNDING)
     assert (new_state["calls"] == 1).all()
 
 

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxstate
+from tests.helpers import ROUNDING
 
 
 @pytest.mark.parametrize("compiler", ["eager", "jaxstate.jit", "jax.jit"])
@@ -30,7 +31,7 @@ def test_batch_norm_step_through_shard_map(compiler):
     reference = jaxstate.nn.BatchNorm(3, axis_name="batch", mode="batch")
     for _ in range(2):
         np.testing.assert_allclose(
-            step(bn, x), jax.vmap(reference, axis_name="batch")(x), rtol=1e-6
+            step(bn, x), jax.vmap(reference, axis_name="batch")(x), **ROUNDING
         )
     for name, value in jaxstate.state_dict(reference).items():
-        np.testing.assert_allclose(jaxstate.state_dict(bn)[name], value, rtol=1e-6)
+        np.testing.assert_allclose(jaxstate.state_dict(bn)[name], value, **ROUNDING)
