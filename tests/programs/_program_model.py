@@ -693,11 +693,10 @@ class Ctx:
     active: tuple[int, ...] = ()  # grid axes of the enclosing vmaps, outermost first
     flag: bool = False  # inference mode
     traced: bool = False  # inside a region traced before it runs
-    top: bool = True  # eager code outside any transform (`jaxstate.jit` compiles)
 
     def under(self, axis=None) -> "Ctx":
         active = self.active if axis is None else self.active + (axis,)
-        return dataclasses.replace(self, active=active, top=False)
+        return dataclasses.replace(self, active=active)
 
 
 class Reference:
@@ -727,7 +726,7 @@ class Reference:
         self.state, self.counters = snap
 
     def _traced(self, ctx: Ctx, fn):
-        inner = dataclasses.replace(ctx, traced=True, top=False)
+        inner = dataclasses.replace(ctx, traced=True)
         if ctx.traced:
             return fn(inner)
         snap = self._snapshot()
@@ -844,18 +843,12 @@ class Reference:
         if k == "vmap":
             return inner(ctx.under(self.axis_of[pos]))
         if k == "jit":
-            if w.variant == "jaxstate.jit" and not ctx.top:
-                return inner(ctx.under())  # traces through, like a nested jit
+            # Every compiler, `jaxstate.jit` too, compiles under eager transforms
+            # and traces through inside a traced region: all or nothing either way.
             return self._traced(ctx, inner)
         if k == "jit_vmap":
-            if w.variant == "jaxstate.jit" and not ctx.top:
-                first = inner(ctx.under())
-            else:
-                first = self._traced(ctx, inner)
-            batched = ctx.under(self.axis_of[pos])
-            if w.variant == "jaxstate.jit":
-                return first, inner(batched)  # under vmap it traces through
-            return first, self._traced(batched, inner)
+            first = self._traced(ctx, inner)
+            return first, self._traced(ctx.under(self.axis_of[pos]), inner)
         if k == "checkpoint":
             return self._traced(ctx, inner)
         if k == "scan" or (k == "map" and not w.batch):
