@@ -498,6 +498,34 @@ def test_donation_is_chosen_per_compiled_program():
     _readable_and_one_of(index, [3.0, 3.0], [4.0, 4.0])
 
 
+@pytest.mark.parametrize("lower", [False, True])
+def test_a_checked_program_is_traced_once(lower):
+    """A program with a run-time check is compiled undonated; finding the check
+    costs no second trace of the function (the first trace is replayed), on a
+    call and ahead of time alike. New shapes trace once more, as for any
+    program."""
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+    traces = []
+
+    def step(index, x):
+        traces.append(x.shape)
+        return _error_step(index, x)
+
+    compiled = jaxstate.jit(step)
+    if lower:
+        compiled = compiled.lower(index, jnp.ones(())).compile()
+    compiled(index, jnp.asarray(1.0))
+    compiled(index, jnp.asarray(2.0))
+    assert traces == [()]
+    with pytest.raises(Exception, match="x must not be negative"):
+        compiled(index, jnp.asarray(-1.0))
+    np.testing.assert_array_equal(index.unsafe_get(), [2.0, 2.0])
+    if not lower:
+        compiled(index, jnp.ones(3))
+        assert traces == [(), (3,)]
+        np.testing.assert_array_equal(index.unsafe_get(), [3.0, 3.0])
+
+
 _EAGER_LOOPS = {
     "scan": lambda body: jax.lax.scan(lambda c, _: (body(c), None), 0.0, length=3)[0],
     "fori_loop": lambda body: jax.lax.fori_loop(0, 3, lambda i, c: body(c), 0.0),

@@ -3,6 +3,7 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 "jaxstate.jit".
 """
 
+import functools
 import inspect
 import os
 import threading
@@ -62,6 +63,22 @@ def _calls_back(eqns) -> bool:
     return False
 
 
+def _replaying(traced: Any, trace: Callable) -> Callable:
+    """A function like `trace` (a program's `_inner`) that, for the argument types
+    `traced` was made for, replays `traced`'s jaxpr instead of running the user's
+    function again; for other types (new shapes), it traces."""
+    avals = list(traced.jaxpr.in_avals)
+    replay = not traced._consts  # (its constants would be extra arguments)
+
+    def inner(*args):
+        if replay and [jax.typeof(x) for x in jtu.tree_leaves(args)] == avals:
+            return traced(*args)
+        return trace(*args)
+
+    functools.update_wrapper(inner, trace)
+    return inner
+
+
 class _Undonate(Exception):
     """Stops tracing the donating program of a function that can fail while it
     runs: it is compiled again with its state undonated."""
@@ -69,6 +86,10 @@ class _Undonate(Exception):
 
 class _Tracing(threading.local):
     storages: Any = ()
+    # Set while a fresh program is traced ahead of its first call (`_probe`): a
+    # trace that calls back is then finished and replayed, not stopped.
+    probing: bool = False
+    called_back: bool = False
 
 
 class Program:
@@ -118,13 +139,14 @@ class Program:
         # records them while traced (see `_guarded`).
         self.jit_id = os.urandom(16)
 
-    def undonated(self):
+    def undonated(self, traced: Any = None):
         # For functions that can fail while running, and while debugging NaNs
-        # (`jax_debug_nans` re-runs a failing call from the same inputs).
+        # (`jax_debug_nans` re-runs a failing call from the same inputs). Given
+        # the trace of the donating program, it replays that trace rather than
+        # tracing the user's function again.
         if self._undonated is None:
-            self._undonated = jax.jit(
-                self._traced, donate_argnums=(1,), **self.jitkwargs
-            )
+            fun = self._traced if traced is None else _replaying(traced, self._traced)
+            self._undonated = jax.jit(fun, donate_argnums=(1,), **self.jitkwargs)
         return self._undonated
 
     def run(
@@ -199,15 +221,31 @@ class Program:
             return self.undonated()(*inputs)
         return self.retrying(inputs)
 
-    def _undonate(self) -> None:
+    def _undonate(self, traced: Any = None) -> None:
         self.donating = False
-        self.jitted = self.undonated()
+        self.jitted = self.undonated(traced)
+
+    def _probe(self, inputs: tuple) -> None:
+        """Traces a fresh donating program ahead of its first call. JAX keeps the
+        trace, so the call that follows does not trace again; if the program calls
+        back to the host, it is undonated around a replay of this trace, so that
+        the user's function is traced once either way."""
+        tracing = self._tracing
+        tracing.probing, tracing.called_back = True, False
+        try:
+            traced = self.jitted.trace(*inputs)
+        finally:
+            tracing.probing = False
+        if tracing.called_back:
+            self._undonate(traced)
 
     def retrying(self, inputs: tuple, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
         on, if the trace turned out to be of a program that can fail while running
         (for new shapes, JAX may trace a program again, and the new one may add a
         check)."""
+        if self.fresh and self.donating and self._undonated is None:
+            self._probe(inputs)
         jitted = self.jitted
         try:
             return jitted.lower(*inputs) if lower else jitted(*inputs)
@@ -253,8 +291,11 @@ class Program:
             self.created = True
         if self.donating and _calls_back(_jax.recorded(top)):
             # A failure while running would come after XLA took the donated
-            # buffers: stop before this program is compiled.
-            raise _Undonate
+            # buffers: stop before this program is compiled (or, ahead of the
+            # first call, finish the trace for `_probe` to replay undonated).
+            if not self._tracing.probing:
+                raise _Undonate
+            self._tracing.called_back = True
         new_bufs = [r[...] for r in local]
         failed = _checkify_failed(out)
         if failed is not None:
