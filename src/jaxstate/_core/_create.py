@@ -63,8 +63,7 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
     if "shard_map" in traced_for():
         raise RuntimeError(
             f"`{fn}` sets this state for the first time inside a `shard_map` (or "
-            "`pmap`) body, which JAX's references cannot cross. Give it its first "
-            "value outside the body."
+            "`pmap`) body: give it its first value outside the body."
         )
     batch_shape = vmap_sizes()
     avals = tuple(_jax.ShapedArray(jnp.shape(x), x.dtype) for x in leaves)
