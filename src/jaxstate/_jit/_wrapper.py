@@ -50,7 +50,7 @@ class _JitWrapper:
             if name in jitkwargs:
                 raise ValueError(
                     f"`jaxstate.jit` does not take `{name}`: like `eqx.filter_jit`, it "
-                    "keeps every non-array static and traces every array."
+                    "keeps non-arrays static and traces arrays."
                 )
         self.fun = fun
         self.donate = donate
@@ -303,13 +303,13 @@ class AotCompiled:
             if self._program.created:
                 raise TypeError(
                     "This compiled function gives a state its first value, so it "
-                    "serves only the model it was lowered for. Give the state a value "
-                    "before lowering, or call `jaxstate.jit(f)` itself."
+                    "serves only the model it was lowered for: set the state before "
+                    "lowering, or call `jaxstate.jit(f)`."
                 )
             raise TypeError(
                 "This compiled function was lowered for arguments of another "
-                "structure or other static values. Lower it again for these, or "
-                "call `jaxstate.jit(f)` itself."
+                "structure or other static values: lower it again, or call "
+                "`jaxstate.jit(f)`."
             )
         return wrapper.execute(program, call, call.arrays, first, self._executable)
 
