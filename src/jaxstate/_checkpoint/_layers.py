@@ -41,8 +41,8 @@ def layer_of(name: str, names: Container[str]) -> "Layer | None":
         if len(found) > 1:
             raise ValueError(
                 f"entry {name!r} names a layer of several stacked entries "
-                f"({[f.stacked for f in found]}). Give those entries whole (the "
-                "layers stacked with `np.stack`) instead."
+                f"({[f.stacked for f in found]}): give those entries whole (stacked "
+                "with `np.stack`)."
             )
         if found:
             return found[0]
@@ -206,8 +206,8 @@ def split_layers(
         if len(shape) < len(under):
             raise ValueError(
                 f"{fn}: per_layer={under[-1]!r} takes entry {name!r} apart by "
-                f"layer, but it has shape {shape}, with no layer axis. Name the "
-                "stacks only (modules built with `eqx.filter_vmap`)."
+                f"layer, but it has shape {shape}, with no layer axis: name stacks "
+                "only."
             )
         for p, n in zip(under, shape, strict=False):
             sizes[p].add(n)
@@ -224,15 +224,13 @@ def split_layers(
     for p, seen in sizes.items():
         if not seen:
             raise ValueError(
-                f"{fn}: per_layer={p!r} names no entry of this tree (its names are "
-                "in `jaxstate.state_dict(tree)`); give the path of a stack, e.g. "
-                "'blocks'."
+                f"{fn}: per_layer={p!r} names no entry of this tree: give the path "
+                "of a stack, e.g. 'blocks'."
             )
         if len(seen) > 1:
             raise ValueError(
-                f"{fn}: the entries under {p!r} have {sorted(seen)} layers: it is "
-                "not one stack. Give the path of a module built with "
-                "`eqx.filter_vmap`."
+                f"{fn}: the entries under {p!r} have {sorted(seen)} layers, not one "
+                "stack: give the path of a module built with `eqx.filter_vmap`."
             )
     return out
 
