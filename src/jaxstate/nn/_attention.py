@@ -184,8 +184,7 @@ class CachedSelfAttention(eqx.Module):
             if padding_mask.shape != (n,) or padding_mask.dtype != jnp.bool_:
                 raise ValueError(
                     "CachedSelfAttention expects a boolean padding_mask of shape "
-                    f"({n},) (one per token), got "
-                    f"{padding_mask.dtype}{padding_mask.shape}."
+                    f"({n},), got {padding_mask.dtype}{padding_mask.shape}."
                 )
         query = jax.vmap(mha.query_proj)(x).reshape(n, mha.num_heads, -1)
         key_ = jax.vmap(mha.key_proj)(x).reshape(n, mha.num_heads, -1)
