@@ -106,8 +106,8 @@ def _load_item(f) -> np.ndarray:
         return np.load(f, allow_pickle=False)
     except EOFError:
         raise _Corrupt(
-            "the file ends here, but `like` has more: it was written from another "
-            "structure, or without jaxstate's filter spec"
+            "the file ends early: it was written from another structure, or without "
+            "jaxstate's filter spec"
         ) from None
     except Exception as e:
         # A damaged item fails in NumPy's reader with any of several exceptions
@@ -578,7 +578,7 @@ def _check_format(f, name: str) -> None:
     if head[:4] == b"PK\x03\x04":
         raise ValueError(
             f"jaxstate.tree_deserialise_leaves: {name} is an `.npz` archive: load it "
-            "with `jaxstate.load`. Nothing was loaded."
+            "with `jaxstate.load`."
         )
     if head and head != b"\x93NUMPY":
         raise ValueError(
@@ -689,7 +689,7 @@ def _wrap(filter_spec: Any, state_fn: Callable) -> Any:
             ):
                 raise ValueError(
                     f"`is_leaf` made a {type(x).__name__} holding a StateIndex a "
-                    "leaf, leaving its state out: let `is_leaf` return `False` there."
+                    "leaf: let it return `False` there."
                 )
             return spec(f, x)
 

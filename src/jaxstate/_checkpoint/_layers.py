@@ -205,9 +205,8 @@ def split_layers(
         shape = tuple(getattr(value, "shape", ()))
         if len(shape) < len(under):
             raise ValueError(
-                f"{fn}: per_layer={under[-1]!r} takes entry {name!r} apart by "
-                f"layer, but it has shape {shape}, with no layer axis: name stacks "
-                "only."
+                f"{fn}: per_layer={under[-1]!r} cannot split entry {name!r} of shape "
+                f"{shape}, with no layer axis: name stacks only."
             )
         for p, n in zip(under, shape, strict=False):
             sizes[p].add(n)
@@ -229,8 +228,8 @@ def split_layers(
             )
         if len(seen) > 1:
             raise ValueError(
-                f"{fn}: the entries under {p!r} have {sorted(seen)} layers, not one "
-                "stack: give the path of a module built with `eqx.filter_vmap`."
+                f"{fn}: the entries under {p!r} have {sorted(seen)} layers: name a "
+                "module built with `eqx.filter_vmap`."
             )
     return out
 
@@ -252,7 +251,7 @@ def check_per_layer(prefixes: Any, fn: str) -> list[str]:
     for p in prefixes:
         if prefixes.count(p) > 1:
             raise ValueError(
-                f"{fn}: per_layer names {p!r} twice. A stack of stacks is named by "
-                "the path of each: 'enc' and 'enc.layers'."
+                f"{fn}: per_layer names {p!r} twice: name a stack of stacks by each "
+                "path, 'enc' and 'enc.layers'."
             )
     return prefixes

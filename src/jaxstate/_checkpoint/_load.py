@@ -167,8 +167,8 @@ def _renamed(mapping: Mapping[str, Any], options: Options) -> dict[str, Any]:
     rename, fn = options.rename, options.fn
     if not isinstance(mapping, Mapping):
         raise TypeError(
-            f"{fn}: the mapping must be a dict from names to arrays (as "
-            f"`jaxstate.state_dict` gives), got {type(mapping).__name__}."
+            f"{fn}: the mapping must be a dict from names to arrays, got "
+            f"{type(mapping).__name__}."
         )
     out: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -183,8 +183,8 @@ def _renamed(mapping: Mapping[str, Any], options: Options) -> dict[str, Any]:
             continue
         if not isinstance(new, str):
             raise TypeError(
-                f"{fn}: `rename` gave {new!r} for {name!r}; it must give a name (a "
-                "string), or `None` to leave the entry out."
+                f"{fn}: `rename` gave {new!r} for {name!r}: give a string, or `None` "
+                "to leave it out."
             )
         if new in source:
             raise ValueError(

@@ -92,8 +92,8 @@ def reset(tree: PyTree, filter: Any) -> None:
     states = selected.states
     if not states:
         raise ValueError(
-            f"`{fn}`: the filter {filter!r} selects no state of this tree (arrays "
-            "are not reset): pass a kind of state, such as 'metric'."
+            f"`{fn}`: {filter!r} selects no state (arrays are not reset): pass a "
+            "kind of state, e.g. 'metric'."
         )
     states = [e for e in states if not _keep_all(e.storage.reset)]
     if not _jax.is_eager():

@@ -35,8 +35,8 @@ def key_impl(dtype) -> str:
         return _key_dtypes()[dtype]
     except KeyError:
         raise ValueError(
-            f"Keys of {dtype} cannot be checkpointed (jaxstate knows "
-            f"{list(KEY_IMPLS)}): store `jax.random.key_data(key)` instead."
+            f"Keys of {dtype} cannot be checkpointed: store "
+            "`jax.random.key_data(key)` instead."
         ) from None
 
 
@@ -102,9 +102,8 @@ def check_value(
         if is_key_dtype(value.dtype):
             if value.dtype != dtype:
                 raise ValueError(
-                    f"{where} holds PRNG keys of {value.dtype}, but the model has "
-                    f"keys of {dtype}: make them with "
-                    f"`impl={key_impl(value.dtype)!r}`."
+                    f"{where} holds PRNG keys of {value.dtype}, not {dtype}: make the "
+                    f"model's with `impl={key_impl(value.dtype)!r}`."
                 )
         elif key_data:
             want = shape + key_shape(dtype)
@@ -187,8 +186,8 @@ def place(value: Any, like: Any) -> Any:
         if is_key_dtype(value.dtype):
             if not isinstance(sharding, NamedSharding):
                 raise ValueError(
-                    "PRNG keys can only be loaded across processes into keys placed "
-                    f"with a `NamedSharding`, not {sharding}."
+                    "PRNG keys load across processes only into keys with a "
+                    f"`NamedSharding`, not {sharding}."
                 )
             data = to_host(value)
             data_like = jax.ShapeDtypeStruct(

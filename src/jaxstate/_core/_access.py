@@ -47,8 +47,7 @@ def _not_set(storage: Storage) -> RuntimeError:
     return RuntimeError(
         "Cannot get state before it has been set: call "
         "`jaxstate.set_state(index, value)` first, or create the index with "
-        "`StateIndex(init=value)`."
-        + describe_unset(storage)
+        "`StateIndex(init=value)`." + describe_unset(storage)
     )
 
 
@@ -216,7 +215,7 @@ def _eager_storage(handle: Handle, fn: str) -> Storage:
     if not _jax.is_eager():
         raise RuntimeError(
             f"`{fn}` works only outside jit, vmap and grad; inside them use "
-            "`jaxstate.get_state` and `jaxstate.set_state`."
+            "`jaxstate.get_state`/`set_state`."
         )
     return storage
 

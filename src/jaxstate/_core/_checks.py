@@ -111,5 +111,5 @@ def check_outside(fn: str) -> None:
     if not _jax.is_eager():
         raise RuntimeError(
             f"`{fn}` works only outside jit, vmap and grad: call it outside the "
-            "compiled step (before or after it)."
+            "compiled step."
         )

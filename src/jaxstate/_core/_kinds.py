@@ -87,11 +87,11 @@ def check_kind(kind: Any, fn: str, also: tuple[str, ...] = ()) -> str:
     )
     if close:
         raise ValueError(
-            f"`{fn}`: unknown kind {kind!r}. Did you mean {close[0]!r}? (Or declare "
-            f"it with `jaxstate.kinds.define({kind!r})`.)"
+            f"`{fn}`: unknown kind {kind!r}. Did you mean {close[0]!r}? Or add it: "
+            f"`jaxstate.kinds.define({kind!r})`."
         )
     raise ValueError(
-        f"`{fn}`: unknown kind {kind!r}. The kinds are {known()}; declare it with "
+        f"`{fn}`: unknown kind {kind!r}. The kinds are {known()}; add it: "
         f"`jaxstate.kinds.define({kind!r})`."
     )
 

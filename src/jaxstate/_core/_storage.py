@@ -176,8 +176,8 @@ def describe_unset(storage: Storage) -> str:
 def _check_eager(what: str) -> None:
     if not _jax.is_eager():
         raise RuntimeError(
-            f"{what} a model holding state works only outside jit, vmap and grad: "
-            "copy the model outside them and pass the copy in."
+            f"{what} a model with state works only outside jit, vmap and grad: copy "
+            "it outside them."
         )
 
 

@@ -48,7 +48,9 @@ def vmaps_known() -> bool:
 # which only `jaxstate.scan` hands out one slice per iteration. (A plain `lax.scan`
 # over them is refused by `_access.check_not_scanned`; this is for the other ways
 # of reaching them, such as slicing the layers by hand in a loop.)
-_SCAN_OVER_LAYERS = " For layers stacked by `eqx.filter_vmap`, run them with `jaxstate.scan`."
+_SCAN_OVER_LAYERS = (
+    " For layers stacked by `eqx.filter_vmap`, run them with `jaxstate.scan`."
+)
 
 
 def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
@@ -141,8 +143,8 @@ def _read_batcher(axis_data, vals, dims, *, batch_shape, n_state):
     full, *like = vals
     if dims[0] is not None:
         raise RuntimeError(
-            "jaxstate state was read from a batched reference: do not pass state "
-            "references to `jax.vmap` yourself."
+            "State was read from a batched reference: do not pass state references "
+            "to `jax.vmap`."
         )
     is_state = _level_of(axis_data, batch_shape, n_state, "get_state")
     if like and not is_state and dims[1] is not None:

@@ -43,14 +43,14 @@ class _JitWrapper:
     def __init__(self, fun: Callable, donate: _Donate, jitkwargs: dict):
         if donate not in _DONATE:
             raise ValueError(
-                "`jaxstate.jit(..., donate=...)` must be one of 'all', "
-                "'all-except-first', 'warn', 'warn-except-first' or 'none'."
+                "`jaxstate.jit(..., donate=...)` must be 'all', 'all-except-first', "
+                "'warn', 'warn-except-first' or 'none'."
             )
         for name in ("static_argnums", "static_argnames", "donate_argnums"):
             if name in jitkwargs:
                 raise ValueError(
-                    f"`jaxstate.jit` does not take `{name}`: like `eqx.filter_jit`, it "
-                    "keeps non-arrays static and traces arrays."
+                    f"`jaxstate.jit` does not take `{name}`: as `eqx.filter_jit`, it "
+                    "traces arrays only."
                 )
         self.fun = fun
         self.donate = donate

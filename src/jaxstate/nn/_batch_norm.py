@@ -308,8 +308,8 @@ class BatchNorm(eqx.Module):
         dtype = stored_mean.dtype
         if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
             raise TypeError(
-                f"BatchNorm got complex input ({x.dtype}) but keeps real statistics "
-                f"({dtype}). Create it with `dtype=` a complex dtype."
+                f"BatchNorm got complex input ({x.dtype}) but real statistics: create "
+                "it with a complex `dtype=`."
             )
         # Everything in the wider of the input's dtype and the statistics' (at
         # least float32), cast explicitly, so that strict dtype promotion works

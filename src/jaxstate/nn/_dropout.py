@@ -23,8 +23,8 @@ def _check_p(p) -> float:
         isinstance(p, numbers.Real) or is_scalar_array
     ):
         raise TypeError(
-            "`jaxstate.nn.Dropout(p=...)` takes the fraction of entries to drop as a "
-            f"number, got {type(p).__name__} ({p!r:.60})."
+            "`jaxstate.nn.Dropout` takes p as a number, got "
+            f"{type(p).__name__} ({p!r:.60})."
         )
     try:
         value = float(p)
@@ -35,8 +35,8 @@ def _check_p(p) -> float:
         ) from None
     if not 0 <= value < 1:
         raise ValueError(
-            f"`jaxstate.nn.Dropout` needs 0 <= p < 1 (the fraction dropped), got "
-            f"p={value}: use p=0, or inference mode, for no dropout."
+            f"`jaxstate.nn.Dropout` needs 0 <= p < 1, got p={value}: use p=0 or "
+            "inference mode for no dropout."
         )
     return value
 
@@ -47,8 +47,7 @@ def _stream(key, inference: bool) -> RNGStream:
     fix = "Pass an int seed, a key (`jax.random.key`) or a `jaxstate.nn.RNGStream`."
     if key is None:
         raise TypeError(
-            f"`jaxstate.nn.Dropout` needs `key=` to seed its own stream. {fix} Give "
-            "each layer its own key, or they drop the same entries."
+            f"`jaxstate.nn.Dropout` needs `key=`, a different one per layer. {fix}"
         )
     if isinstance(key, (bool, np.bool_, float)) or (
         not isinstance(key, int) and not hasattr(key, "dtype")

@@ -202,8 +202,8 @@ class KVCache(eqx.Module):
             raise ValueError(
                 f"KVCache.append expects keys of shape (tokens, {self.num_heads}, "
                 f"{self.key_size}) and values of shape (tokens, {self.num_heads}, "
-                f"{self.value_size}), got {keys.shape} and {values.shape}. For a batch, "
-                "create it with `batch_size=` and vmap."
+                f"{self.value_size}), got {keys.shape} and {values.shape}. For a "
+                "batch, create it with `batch_size=` and vmap."
             )
         if padding_mask is not None:
             padding_mask = jnp.asarray(padding_mask)

@@ -28,7 +28,8 @@ def _as_key(seed_or_key) -> PRNGKeyArray:
         if x.shape != ():
             raise ValueError(
                 f"RNGStream takes a single key, got a key array of shape {x.shape}: "
-                "for one stream per key, `eqx.filter_vmap(jaxstate.nn.RNGStream)(keys)`."
+                "for one stream per key, "
+                "`eqx.filter_vmap(jaxstate.nn.RNGStream)(keys)`."
             )
         return x
     if x.dtype == jnp.uint32 and x.shape == (2,):
