@@ -170,8 +170,8 @@ def check_reset(reset: Any) -> None:
     for leaf in leaves:
         if leaf is not None and not isinstance(leaf, (bool, int, float, complex)):
             raise TypeError(
-                "`StateIndex(reset=...)` takes a number, `None` or a tuple, list or "
-                f"dict of those, got {leaf!r:.60}."
+                "`StateIndex(reset=...)` takes a Python number, `None` or a tuple, "
+                f"list or dict of those, got {leaf!r:.60}."
             )
 
 

@@ -147,8 +147,9 @@ class BatchNorm(eqx.Module):
             mode = "debiased"
             warnings.warn(
                 "`jaxstate.nn.BatchNorm(..., mode=...)` is unset, so it uses "
-                "'debiased' (Equinox's default is 'ema'). Pass `mode=` to choose and "
-                "silence this. See docs/misuse.md#batchnorm-mode-unset.",
+                "'debiased'. For `eqx.nn.BatchNorm`'s numbers pass `mode='ema'` (or "
+                "its `mode='batch'`); any mode silences this. "
+                "See docs/misuse.md#batchnorm-mode-unset.",
                 stacklevel=user_stacklevel(),
             )
         if mode not in _MODES:
