@@ -106,7 +106,7 @@ def test_errors_name_the_fix_and_change_nothing():
     model = _stepped()
     before = snapshot(model)
     cases = [
-        ("params", ValueError, "selects no state of this tree"),
+        ("params", ValueError, r"selects no state \(arrays are not reset\)"),
         ("ema", ValueError, r"selects nothing in this tree, which holds .*'metric'"),
         # A close known kind is named first (and "params", in a filter).
         ("metrics", ValueError, r"unknown kind 'metrics'. Did you mean 'metric'\?"),

@@ -195,7 +195,7 @@ def test_a_leaked_tracer_is_not_stored():
         lambda: jaxstate.set_state(index, leaked[0]),
         lambda: index.unsafe_set(leaked[0]),
     ):
-        with pytest.raises(RuntimeError, match="leaked out of that transform"):
+        with pytest.raises(RuntimeError, match="leaked out of its transform"):
             store()
     assert float(index.unsafe_get()) == 0.0
 

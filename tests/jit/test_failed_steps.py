@@ -552,7 +552,7 @@ def test_a_failed_check_in_an_eager_loop(loop):
     with pytest.raises(Exception, match="too many"):
         _EAGER_LOOPS[loop](_failing_body(index))
     with pytest.raises(
-        RuntimeError, match="an eager `lax.scan`.*inside `jaxstate.jit`"
+        RuntimeError, match="memory was deleted.*`jaxstate.jit`.*#deleted-state"
     ):
         index.unsafe_get()
     # Inside `jaxstate.jit`, with the state passed in, the same loop keeps it.

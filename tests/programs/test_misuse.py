@@ -142,6 +142,9 @@ class Entry:
 
 
 _HEADING = re.compile(r"^### `([a-z0-9-]+)`", re.M)
+# Any section heading ends an entry (the background sections at the end are not
+# entries).
+_ANY_HEADING = re.compile(r"^##+ ", re.M)
 _CODE = re.compile(r"```python\n(.*?)```", re.S)
 _RAISES = re.compile(r"\*\*Raises\*\* `(\w+)`:\n> (.+)")
 
@@ -149,7 +152,8 @@ _RAISES = re.compile(r"\*\*Raises\*\* `(\w+)`:\n> (.+)")
 def _parse(text: str) -> dict[str, Entry]:
     entries = {}
     starts = list(_HEADING.finditer(text))
-    for m, nxt in zip(starts, starts[1:] + [None]):
+    for m in starts:
+        nxt = _ANY_HEADING.search(text, m.end())
         body = text[m.end() : nxt.start() if nxt else len(text)]
         code = _CODE.search(body)
         assert code, f"entry {m.group(1)} has no python snippet"

@@ -98,9 +98,7 @@ def _loading(fn: Callable, *args) -> Any:
     try:
         return fn(*args)
     except _Corrupt as e:
-        raise ValueError(
-            f"{e}. Nothing was loaded: the states of `like` are unchanged."
-        ) from None
+        raise ValueError(f"{e}. Nothing was loaded.") from None
 
 
 def _load_item(f) -> np.ndarray:
@@ -108,8 +106,8 @@ def _load_item(f) -> np.ndarray:
         return np.load(f, allow_pickle=False)
     except EOFError:
         raise _Corrupt(
-            "the file ends here, but `like` has more to load: it was written from a "
-            "model of another structure, or without jaxstate's filter spec"
+            "the file ends early: it was written from another structure, or without "
+            "jaxstate's filter spec"
         ) from None
     except Exception as e:
         # A damaged item fails in NumPy's reader with any of several exceptions
@@ -314,8 +312,8 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
     if header is None or not ("state" in header or "alias" in header):
         raise _Corrupt(
             f"the state of this index should be here, but the file has "
-            f"{_describe(item)}. It was written without jaxstate's filter spec "
-            "(which drops the state), or from a model of another structure"
+            f"{_describe(item)}: it was written without jaxstate's filter spec, or "
+            "from another structure"
         )
     if not storage.persistent:
         # Left as it is, whatever the file holds (it may be from a time when the
@@ -334,7 +332,7 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
         if kept is None or kept[0] != storage.id:
             raise _Corrupt(
                 "in the file this index shares its state with an earlier one, but "
-                "in `like` it does not. Build `like` as the saved model was built"
+                "in `like` it does not: build `like` as the saved model was built"
             )
         if reader.staged is not None:
             return index
@@ -345,8 +343,7 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
     if storage.id in reader.numbers:
         raise _Corrupt(
             "in `like` this index shares its state with an earlier one, but in the "
-            "file they are different states. Build `like` as the saved model was "
-            "built"
+            "file it does not: build `like` as the saved model was built"
         )
     meta = header["state"]
     if meta is None or storage.refs is None:
@@ -354,9 +351,9 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
             return index
         if header.get("persistent") is False:
             raise _Corrupt(
-                "the file holds no value for this index's state: it was made with "
-                "`persistent=False` when saved. Load into a model whose state there "
-                "is not persistent either, or save it with `persistent=True`"
+                "the file holds no value for this index's state (`persistent=False` "
+                "when saved): make it non-persistent here too, or save it with "
+                "`persistent=True`"
             )
         raise _Corrupt(
             "the file holds no state for this index (it had none when saved)"
@@ -580,14 +577,13 @@ def _check_format(f, name: str) -> None:
     f.seek(start)
     if head[:4] == b"PK\x03\x04":
         raise ValueError(
-            f"jaxstate.tree_deserialise_leaves: {name} is an `.npz` archive, as "
-            "`jaxstate.save` writes: load it with `jaxstate.load`. Nothing was loaded."
+            f"jaxstate.tree_deserialise_leaves: {name} is an `.npz` archive: load it "
+            "with `jaxstate.load`."
         )
     if head and head != b"\x93NUMPY":
         raise ValueError(
             f"jaxstate.tree_deserialise_leaves: {name} is not a file written by "
-            "`jaxstate.tree_serialise_leaves` or `eqx.tree_serialise_leaves` (those "
-            "begin with a NumPy array). Nothing was loaded."
+            "`tree_serialise_leaves` (jaxstate's or Equinox's). Nothing was loaded."
         )
 
 
@@ -648,8 +644,7 @@ def _check_checksum(f, name: str) -> None:
     if meta != {"jaxstate": 1, "crc32": f"{crc:08x}", "bytes": f"{size:016x}"}:
         raise ValueError(
             f"jaxstate.tree_deserialise_leaves: {name} is damaged: its bytes do not "
-            "match the checksum written with them. Load an intact copy. Nothing was "
-            "loaded."
+            "match their checksum. Load an intact copy. Nothing was loaded."
         )
 
 
@@ -694,8 +689,7 @@ def _wrap(filter_spec: Any, state_fn: Callable) -> Any:
             ):
                 raise ValueError(
                     f"`is_leaf` made a {type(x).__name__} holding a StateIndex a "
-                    "leaf, so its state would be left out. Let `is_leaf` return "
-                    "`False` for nodes that hold state."
+                    "leaf: let it return `False` there."
                 )
             return spec(f, x)
 

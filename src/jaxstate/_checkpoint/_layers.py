@@ -41,8 +41,8 @@ def layer_of(name: str, names: Container[str]) -> "Layer | None":
         if len(found) > 1:
             raise ValueError(
                 f"entry {name!r} names a layer of several stacked entries "
-                f"({[f.stacked for f in found]}). Give those entries whole (the "
-                "layers stacked with `np.stack`) instead."
+                f"({[f.stacked for f in found]}): give those entries whole (stacked "
+                "with `np.stack`)."
             )
         if found:
             return found[0]
@@ -205,9 +205,8 @@ def split_layers(
         shape = tuple(getattr(value, "shape", ()))
         if len(shape) < len(under):
             raise ValueError(
-                f"{fn}: per_layer={under[-1]!r} takes entry {name!r} apart by "
-                f"layer, but it has shape {shape}, with no layer axis. Name the "
-                "stacks only (modules built with `eqx.filter_vmap`)."
+                f"{fn}: per_layer={under[-1]!r} cannot split entry {name!r} of shape "
+                f"{shape}, with no layer axis: name stacks only."
             )
         for p, n in zip(under, shape, strict=False):
             sizes[p].add(n)
@@ -224,15 +223,13 @@ def split_layers(
     for p, seen in sizes.items():
         if not seen:
             raise ValueError(
-                f"{fn}: per_layer={p!r} names no entry of this tree (its names are "
-                "in `jaxstate.state_dict(tree)`); give the path of a stack, e.g. "
-                "'blocks'."
+                f"{fn}: per_layer={p!r} names no entry of this tree: give the path "
+                "of a stack, e.g. 'blocks'."
             )
         if len(seen) > 1:
             raise ValueError(
-                f"{fn}: the entries under {p!r} have {sorted(seen)} layers: it is "
-                "not one stack. Give the path of a module built with "
-                "`eqx.filter_vmap`."
+                f"{fn}: the entries under {p!r} have {sorted(seen)} layers: name a "
+                "module built with `eqx.filter_vmap`."
             )
     return out
 
@@ -254,7 +251,7 @@ def check_per_layer(prefixes: Any, fn: str) -> list[str]:
     for p in prefixes:
         if prefixes.count(p) > 1:
             raise ValueError(
-                f"{fn}: per_layer names {p!r} twice. A stack of stacks is named by "
-                "the path of each: 'enc' and 'enc.layers'."
+                f"{fn}: per_layer names {p!r} twice: name a stack of stacks by each "
+                "path, 'enc' and 'enc.layers'."
             )
     return prefixes

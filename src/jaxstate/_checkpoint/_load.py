@@ -111,10 +111,9 @@ class Staged:
 
 
 _ABSTRACT = (
-    "{fn}: `like` was built abstractly (with `eqx.filter_eval_shape` or "
-    "`jax.eval_shape`), so its entries {names} have no value to keep, and this "
-    "load gives them none. Load them too (`strict=True`, no `filter`), or build "
-    "`like` with values. Nothing was loaded."
+    "{fn}: `like` was built abstractly, so its entries {names} have no value: load "
+    "them too (`strict=True`, no `filter`), or build `like` with values. "
+    "See docs/misuse.md#abstract-like."
 )
 
 
@@ -152,11 +151,9 @@ def check_entry(name: str, value: Any, shape: tuple, dtype: Any, options: Option
 
 
 _UNSET = (
-    "{fn}: entries {names} are for states that this model's indices do not hold "
-    "yet (they are set when the model first runs, so their structure is unknown). "
-    "Build the model with its state first, for example by calling it once on an "
-    "example input (or giving those indices `init=`), then load. Nothing was "
-    "loaded."
+    "{fn}: entries {names} are for states this model does not hold yet. Build them "
+    "first (run the model once, or give the indices `init=`), then load. "
+    "See docs/misuse.md#load-unset-state."
 )
 
 
@@ -170,8 +167,8 @@ def _renamed(mapping: Mapping[str, Any], options: Options) -> dict[str, Any]:
     rename, fn = options.rename, options.fn
     if not isinstance(mapping, Mapping):
         raise TypeError(
-            f"{fn}: the mapping must be a dict from names to arrays (as "
-            f"`jaxstate.state_dict` gives), got {type(mapping).__name__}."
+            f"{fn}: the mapping must be a dict from names to arrays, got "
+            f"{type(mapping).__name__}."
         )
     out: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -186,14 +183,14 @@ def _renamed(mapping: Mapping[str, Any], options: Options) -> dict[str, Any]:
             continue
         if not isinstance(new, str):
             raise TypeError(
-                f"{fn}: `rename` gave {new!r} for {name!r}; it must give a name (a "
-                "string), or `None` to leave the entry out."
+                f"{fn}: `rename` gave {new!r} for {name!r}: give a string, or `None` "
+                "to leave it out."
             )
         if new in source:
             raise ValueError(
                 f"{fn}: `rename` gives the entries {source[new]!r} and {name!r} the "
-                f"same name {new!r}. Rename them to different names, or leave one "
-                "out (a renaming function returns `None` for it). Nothing was loaded."
+                f"same name {new!r}: rename or leave out one (`None`). Nothing was "
+                "loaded."
             )
         source[new] = name
         out[new] = value
@@ -315,14 +312,12 @@ def load_mapping(
     if options.strict and (missing or unexpected):
         raise KeyError(
             f"{options.fn}: missing entries {sorted(missing)}, unexpected entries "
-            f"{sorted(unexpected)}. The mapping must come from a model of the same "
-            f"structure; {options.names_fix}"
+            f"{sorted(unexpected)}: {options.names_fix}"
         )
     if not options.strict and mapping and len(unexpected) == len(mapping):
         raise KeyError(
             f"{options.fn}: none of the entries {sorted(unexpected)[:5]} name an "
-            "array or state of this model (its names are in "
-            "`jaxstate.state_dict(model)`); pass `rename=` to map them to its names."
+            "array or state of this model: pass `rename=` to map them to its names."
         )
     # Check every new value before writing anything.
     staged = Staged()
@@ -343,8 +338,8 @@ def load_mapping(
                 if not same(values[0], value):
                     raise ValueError(
                         f"{options.fn}: entries {given[0]!r} and {other!r} name the "
-                        "same state (one state reached through two indices), but "
-                        "hold different values. Give it once, under one of its names."
+                        "same state but hold different values: give it once. "
+                        "See docs/misuse.md#load-state-dict-aliases."
                     )
             leaves.append(values[0] if values else None)
         if all(leaf is None for leaf in leaves):

@@ -202,7 +202,7 @@ def write_state_dict(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> No
     if not isinstance(mapping, Mapping) or not all(isinstance(k, str) for k in mapping):
         raise TypeError(
             "jaxstate.write_state_dict takes a dict from names (strings) to arrays, "
-            "as `jaxstate.state_dict` gives."
+            "as `state_dict` gives."
         )
     _write(path, mapping)
 

@@ -151,7 +151,7 @@ def load_checkpoint_tree(
     check_outside("jaxstate.load_checkpoint_tree")
     if not isinstance(restored, dict):
         raise TypeError(
-            "load_checkpoint_tree: `restored` must be the dict restored from a "
+            "load_checkpoint_tree: `restored` must be the dict of a "
             f"`jaxstate.checkpoint_tree`, got {type(restored).__name__}."
         )
     mapping: dict[str, Any] = {}
@@ -159,8 +159,8 @@ def load_checkpoint_tree(
         if isinstance(value, dict):
             if len(value) != 1:
                 raise ValueError(
-                    f"load_checkpoint_tree: entry {name!r} should hold PRNG key "
-                    f"data under one implementation name, got {sorted(value)}."
+                    f"load_checkpoint_tree: entry {name!r} should hold key data "
+                    f"under one implementation, got {sorted(value)}."
                 )
             ((impl, data),) = value.items()
             try:

@@ -33,8 +33,8 @@ def reset_value(storage: Storage, name: str, value: Any) -> Any:
             if is_key_dtype(x.dtype):
                 raise ValueError(
                     f"`jaxstate.reset`: the state at {name!r} holds PRNG keys, "
-                    f"which cannot be set to {number!r}. Give its index `reset=None` "
-                    "there (e.g. `reset=(None, 0)`) to keep them."
+                    f"which cannot be set to {number!r}: give its index `reset=None` "
+                    "there (e.g. `reset=(None, 0)`)."
                 )
             return jnp.full_like(x, number)
 
@@ -47,9 +47,8 @@ def reset_value(storage: Storage, name: str, value: Any) -> Any:
             raise
         raise ValueError(
             f"`jaxstate.reset`: the reset value {spec!r} of the state at {name!r} "
-            f"does not fit its structure {storage.treedef}. Give its index a "
-            "`reset=` that is a number, `None`, or a tuple, list or dict of those "
-            "matching the top of the state."
+            f"does not fit its structure {storage.treedef}: give its index a "
+            "`reset=` matching the top of the state."
         ) from None
 
 
@@ -93,8 +92,8 @@ def reset(tree: PyTree, filter: Any) -> None:
     states = selected.states
     if not states:
         raise ValueError(
-            f"`{fn}`: the filter {filter!r} selects no state of this tree (arrays "
-            "are not reset). Pass a kind of state, such as 'metric' or 'cache'."
+            f"`{fn}`: {filter!r} selects no state (arrays are not reset): pass a "
+            "kind of state, e.g. 'metric'."
         )
     states = [e for e in states if not _keep_all(e.storage.reset)]
     if not _jax.is_eager():

@@ -159,8 +159,7 @@ def write_safetensors(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> N
             # The package writes them, but cannot read them back into NumPy.
             raise ValueError(
                 f"`{fn}`: entry {name!r} is {arrays[name].dtype}, which safetensors "
-                "files cannot give back to NumPy; write an `.npz` instead (any other "
-                "suffix), which stores every dtype."
+                "cannot read: write an `.npz`."
             )
     metadata = {"format": "np"}
     if keys:
@@ -169,8 +168,7 @@ def write_safetensors(path: str | pathlib.Path, mapping: Mapping[str, Any]) -> N
         data = package.numpy.save(arrays, metadata=metadata)
     except Exception as e:  # the package's `SafetensorError`: a dtype it lacks
         raise ValueError(
-            f"`{fn}`: safetensors cannot store these arrays ({e}); write an `.npz` "
-            "instead (any other suffix), which stores every dtype."
+            f"`{fn}`: safetensors cannot store these arrays ({e}): write an `.npz`."
         ) from e
     with atomic_write(path) as f:
         f.write(data)

@@ -52,8 +52,8 @@ _INDEX = re.compile(r"\[(\d+)\]")
 def check_layout(layout: Any, fn: str) -> None:
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(
-            f"{fn}: unknown layout {layout!r}; pass layout='torch' for PyTorch's (and "
-            "Hugging Face's) names, or leave it out for jaxstate's."
+            f"{fn}: unknown layout {layout!r}: pass layout='torch' for PyTorch's "
+            "names, or none for jaxstate's."
         )
 
 
@@ -92,8 +92,7 @@ class TorchLayout:
             raise ValueError(
                 f"{self.fn}: the BatchNorm at {path or 'the top'!r} has mode={mode!r}, "
                 "whose statistics PyTorch's running_mean and running_var do not "
-                "hold. Build it with mode='torch' (PyTorch's numbers in training "
-                "too), or 'flax' or 'debiased'."
+                "hold: build it with mode='torch', 'flax' or 'debiased'."
             )
 
     def _buffer(self, name: str) -> tuple[str, str] | None:
@@ -165,7 +164,7 @@ class TorchLayout:
             if new in source:
                 raise ValueError(
                     f"{self.fn}: the entries {source[new]!r} and {name!r} are both "
-                    f"the model's {new!r}. Leave one out (`rename=` returning `None`). "
+                    f"the model's {new!r}: leave one out (`rename=` returning `None`). "
                     "Nothing was loaded."
                 )
             source[new] = name

@@ -35,9 +35,8 @@ def key_impl(dtype) -> str:
         return _key_dtypes()[dtype]
     except KeyError:
         raise ValueError(
-            f"Keys of {dtype} cannot be checkpointed: jaxstate knows the key "
-            f"implementations {list(KEY_IMPLS)}. Store `jax.random.key_data(key)` "
-            "instead."
+            f"Keys of {dtype} cannot be checkpointed: store "
+            "`jax.random.key_data(key)` instead."
         ) from None
 
 
@@ -103,17 +102,16 @@ def check_value(
         if is_key_dtype(value.dtype):
             if value.dtype != dtype:
                 raise ValueError(
-                    f"{where} holds PRNG keys of {value.dtype}, but the model has "
-                    f"keys of {dtype}. Make the model's keys with the same `impl=` "
-                    f"(`jax.random.key(seed, impl={key_impl(value.dtype)!r})`)."
+                    f"{where} holds PRNG keys of {value.dtype}, not {dtype}: make the "
+                    f"model's with `impl={key_impl(value.dtype)!r}`."
                 )
         elif key_data:
             want = shape + key_shape(dtype)
             if value.dtype != np.uint32 or tuple(value.shape) != want:
                 raise ValueError(
-                    f"{where} must hold PRNG keys of {aval_text(shape, dtype)}, or "
-                    "their key data (`jax.random.key_data`) of "
-                    f"{aval_text(want, 'uint32')}, but it holds {_found(value)}."
+                    f"{where} must hold PRNG keys of {aval_text(shape, dtype)} or "
+                    f"their key data of {aval_text(want, 'uint32')}, but it holds "
+                    f"{_found(value)}."
                 )
             value = jax.random.wrap_key_data(jnp.asarray(value), impl=key_impl(dtype))
         else:
@@ -188,8 +186,8 @@ def place(value: Any, like: Any) -> Any:
         if is_key_dtype(value.dtype):
             if not isinstance(sharding, NamedSharding):
                 raise ValueError(
-                    "PRNG keys can only be loaded across processes into keys placed "
-                    f"with a `NamedSharding`, not {sharding}."
+                    "PRNG keys load across processes only into keys with a "
+                    f"`NamedSharding`, not {sharding}."
                 )
             data = to_host(value)
             data_like = jax.ShapeDtypeStruct(

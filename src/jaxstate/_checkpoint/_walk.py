@@ -124,16 +124,13 @@ class Contents:
                 names = [e.name for e in chosen]
                 raise ValueError(
                     f"`{fn}`: the filter {filter!r} selects only states that are "
-                    f"not persistent ({names[:5]}), which checkpoints leave out. "
-                    "Look at them with `jaxstate.summary(tree)` or "
-                    "`index.unsafe_get()`; make them with `persistent=True` to save "
-                    "them."
+                    f"not persistent ({names[:5]}), which checkpoints leave out: make "
+                    "them with `persistent=True` to save them."
                 )
             raise ValueError(
                 f"`{fn}`: the filter {filter!r} selects nothing in this tree, "
-                f"which holds {_kinds_held(self.entries)}. Pass a filter that "
-                "selects something (see `jaxstate.kinds`), or leave it out for "
-                "everything."
+                f"which holds {_kinds_held(self.entries)}: pass another filter, or "
+                "none."
             )
         ids = {id(e) for e in kept}
         left_out = [e for e in self.entries if id(e) not in ids]

@@ -24,37 +24,30 @@ from ._vmap import check_vmaps, read as read_member, traced_for, write as write_
 
 
 _IN_SHARD_MAP = (
-    "`{fn}` reached state from inside a `shard_map` (or `pmap`, which is built on "
-    "it) body that did not receive it: JAX's references cannot cross into the "
-    "body. Pass the model holding the state as an argument of "
-    "`jaxstate.shard_map(f, ..., state_specs=...)`, which hands the state in and "
-    "writes it back, or make the function pure with `jaxstate.to_pure` and `pmap` "
-    "that."
+    "`{fn}` reached state from a `shard_map` (or `pmap`) body that did not receive "
+    "it. Pass the model to `jaxstate.shard_map(f, ..., state_specs=...)`. "
+    "See docs/misuse.md#shard-map-closed-state."
 )
 
 _IN_WHILE_COND = (
-    "`get_state` was called in the condition of a `lax.while_loop`. JAX's loop "
-    "keeps a separate copy of state read there, so the condition would never see "
-    "the body's writes and the loop could run forever. Use `jaxstate.while_loop` "
-    "(same signature), which evaluates the condition inside the loop body, or read "
-    "the state in the body and carry the predicate."
+    "`get_state` was called in the condition of a `lax.while_loop`, which never "
+    "sees the body's writes. Use `jaxstate.while_loop` (same signature). "
+    "See docs/misuse.md#while-cond-reads-state."
 )
 
 
 _PLAIN_SCAN = (
     "`{fn}` reached state stacked over {size} layers through the `xs` of a "
-    "`lax.scan` (or `lax.map`), which slices the layers' arrays but not their "
-    "state. Use `jaxstate.scan` (the same signature), which gives each iteration "
-    "its own layer's state."
+    "`lax.scan`, which does not slice state. Use `jaxstate.scan` (same signature). "
+    "See docs/misuse.md#scan-over-stack."
 )
 
 
 def _not_set(storage: Storage) -> RuntimeError:
     return RuntimeError(
         "Cannot get state before it has been set: call "
-        "`jaxstate.set_state(index, value)` first (e.g. in the model's "
-        "`__init__`), or create the index with `StateIndex(init=value)`."
-        + describe_unset(storage)
+        "`jaxstate.set_state(index, value)` first, or create the index with "
+        "`StateIndex(init=value)`." + describe_unset(storage)
     )
 
 
@@ -221,9 +214,8 @@ def _eager_storage(handle: Handle, fn: str) -> Storage:
         raise _not_set(storage)
     if not _jax.is_eager():
         raise RuntimeError(
-            f"`{fn}` reads or writes the stored value directly and only works "
-            "outside jit/vmap/grad; inside them use `jaxstate.get_state` and "
-            "`jaxstate.set_state`."
+            f"`{fn}` works only outside jit, vmap and grad; inside them use "
+            "`jaxstate.get_state`/`set_state`."
         )
     return storage
 

@@ -40,10 +40,8 @@ def replacement(current: jax.Array, value) -> jax.Array:
         # out as the state is.
         if not (isinstance(value, jax.Array) and value.sharding == sharding):
             raise ValueError(
-                "A state spread over several processes can only be given a global "
-                "array with the same sharding as the state (as `jaxstate.load` and "
-                "`jaxstate.load_checkpoint_tree` build); place the value with "
-                "`jax.make_array_from_callback` first."
+                "A state spread over several processes takes only a global array of "
+                "its sharding: place the value with `jax.make_array_from_callback`."
             )
         return jnp.copy(value)
     value = jnp.asarray(value)
@@ -56,10 +54,8 @@ def replacement(current: jax.Array, value) -> jax.Array:
 
 
 _LEAKED = (
-    "A value to store is a traced value (a tracer) of a jit, vmap, grad or other "
-    "transform that is not running here: it leaked out of that transform. Return "
-    "the value from the transform and store it outside, or call "
-    "`jaxstate.set_state` inside it. Nothing was written."
+    "A value to store is a tracer that leaked out of its transform: return it from "
+    "the transform, or call `set_state` inside it. See docs/misuse.md#leaked-tracer."
 )
 
 
@@ -100,15 +96,9 @@ def snapshot(storages: list) -> list[list[jax.Array]]:
 
 
 _DELETED = (
-    "This state's memory was deleted: a compiled call took its buffer and gave no "
-    "new one back. That happens when code JAX compiles on the spot fails while "
-    "running (a failed `eqx.error_if`, a callback that raises) or is interrupted, "
-    "after taking the buffers of the references it captured: a function compiled "
-    "with `jax.jit` or `eqx.filter_jit`, an eager `lax.scan`, `fori_loop`, "
-    "`while_loop` or `lax.map`, or state a `jaxstate.jit` function closes over (a "
-    "limitation of JAX's references). Run such code inside `jaxstate.jit` with the "
-    "model as an argument, which keeps the state when a call fails. Set the state "
-    "again (or reload it) before using it."
+    "This state's memory was deleted by a compiled call that failed or was "
+    "interrupted. Set (or reload) the state; pass the model to `jaxstate.jit` to keep "
+    "it. See docs/misuse.md#deleted-state."
 )
 
 

@@ -20,20 +20,14 @@ def aval_text(shape, dtype) -> str:
 def _leaf_problem(leaf) -> str | None:
     """Why `leaf` cannot be (part of) a state, or `None` if it can."""
     if isinstance(leaf, jax.Ref):
-        return (
-            "is a `jax.Ref`. jaxstate keeps the state in references of its own: "
-            "pass the value (`ref[...]`) instead"
-        )
+        return "is a `jax.Ref`: pass its value (`ref[...]`)"
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return (
-            "is a `jax.ShapeDtypeStruct`, which has a shape and dtype but no value: "
-            "pass an array, e.g. `jnp.zeros(shape, dtype)`"
-        )
+        return "is a `jax.ShapeDtypeStruct`, with no value: pass an array"
     if isinstance(leaf, (jax.Array, _jax.Tracer, np.ndarray, np.generic)):
         return None
     return (
-        "is not an array. Wrap Python numbers with `jnp.asarray`, and keep non-array "
-        "data as ordinary (static) fields of your module"
+        "is not an array. Wrap Python numbers with `jnp.asarray`; keep other data in "
+        "static fields"
     )
 
 
@@ -62,10 +56,7 @@ def _canonical(leaf):
     return leaf
 
 
-_KEEPS = (
-    " State keeps the structure it was first set with; use a new StateIndex for a "
-    "different structure."
-)
+_KEEPS = " State keeps its first structure: use a new StateIndex for another."
 
 
 def check_fits(
@@ -107,10 +98,7 @@ def check_fits(
                 if batch
                 else ""
             )
-            fix = (
-                "State keeps the shape and dtype it was first set with; cast or "
-                "reshape the value (e.g. `x.astype(...)`), or use a new StateIndex."
-            )
+            fix = "Cast or reshape the value, or use a new StateIndex."
         raise error(
             f"{what} has a leaf {i} of {aval_text(shape, dtype)}, but the stored "
             f"state has {aval_text(want, aval.dtype)}{note}. {fix}"
@@ -122,7 +110,6 @@ def check_outside(fn: str) -> None:
     they exist only outside them."""
     if not _jax.is_eager():
         raise RuntimeError(
-            f"`{fn}` reads or writes stored values, which exist only outside jit, "
-            "vmap, grad and other transforms: call it outside the compiled step "
-            "(before or after it). Nothing was read or written."
+            f"`{fn}` works only outside jit, vmap and grad: call it outside the "
+            "compiled step."
         )

@@ -62,9 +62,8 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
         return True
     if "shard_map" in traced_for():
         raise RuntimeError(
-            f"`{fn}` sets this state for the first time inside a `shard_map` (or "
-            "`pmap`) body, which JAX's references cannot cross. Give it its first "
-            "value outside the body."
+            f"`{fn}` first sets this state inside a `shard_map` (or `pmap`) body: "
+            "set it outside the body first."
         )
     batch_shape = vmap_sizes()
     avals = tuple(_jax.ShapedArray(jnp.shape(x), x.dtype) for x in leaves)

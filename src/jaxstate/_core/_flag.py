@@ -80,10 +80,9 @@ def flag_value(value: Any, what: str) -> bool:
         return bool(value)
     if isinstance(value, _jax.Tracer):
         raise RuntimeError(
-            f"The `inference` flag of this {what} is a traced value: "
-            "`eqx.nn.inference_mode` stored a Python bool, which `jax.jit` traces. "
-            "Switch modes with `jaxstate.tree_inference(model, value)`, or compile "
-            "with `eqx.filter_jit`."
+            f"The `inference` flag of this {what} is a traced value: switch modes "
+            "with `jaxstate.tree_inference(model, value)`. "
+            "See docs/misuse.md#inference-mode-jax-jit."
         )
     try:
         return bool(value)

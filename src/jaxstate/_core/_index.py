@@ -94,9 +94,8 @@ class StateIndex(eqx.Module, Generic[_T]):
         """
         if not isinstance(inference, (bool, np.bool_, Flag)):
             raise TypeError(
-                "`StateIndex`'s first argument is the `inference` flag, a bool, but "
-                f"it got {type(inference).__name__}. Pass an initial value by "
-                "keyword: `StateIndex(init=value)`."
+                "`StateIndex`'s first argument is the `inference` flag, a bool, got "
+                f"{type(inference).__name__}: pass a value as `StateIndex(init=value)`."
             )
         check_kind(kind, "StateIndex")
         check_reset(reset)
@@ -171,9 +170,8 @@ def check_reset(reset: Any) -> None:
     for leaf in leaves:
         if leaf is not None and not isinstance(leaf, (bool, int, float, complex)):
             raise TypeError(
-                "`StateIndex(reset=...)` takes a Python number (every element of "
-                "the state is set to it), `None` (the state is kept), or a tuple, "
-                f"list or dict of those; got a leaf {leaf!r:.60}."
+                "`StateIndex(reset=...)` takes a Python number, `None` or a tuple, "
+                f"list or dict of those, got {leaf!r:.60}."
             )
 
 

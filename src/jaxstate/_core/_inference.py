@@ -52,9 +52,8 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
     """
     if not is_eager():
         raise RuntimeError(
-            "`jaxstate.tree_inference` was called inside jit, vmap, grad or another "
-            "transform. Switch modes outside and pass the switched model in, or pass "
-            "`inference=True` to a layer's call."
+            "`jaxstate.tree_inference` was called inside a transform. Switch modes "
+            "outside it, or pass `inference=True` to the layer's call."
         )
     owners = _owners(pytree)
     ours = [o for o in owners if _is_jaxstate(o)]

@@ -77,8 +77,8 @@ def check_kind(kind: Any, fn: str, also: tuple[str, ...] = ()) -> str:
         return kind
     if kind == PARAMS:
         raise ValueError(
-            f'`{fn}`: "params" names the tree\'s arrays, not a kind of state. Give '
-            f"the state one of the kinds {known()}."
+            f'`{fn}`: "params" names the tree\'s arrays, not a kind of state: use '
+            f"one of {known()}."
         )
     close = (
         difflib.get_close_matches(kind, [*known(), *also], n=1)
@@ -87,12 +87,12 @@ def check_kind(kind: Any, fn: str, also: tuple[str, ...] = ()) -> str:
     )
     if close:
         raise ValueError(
-            f"`{fn}`: unknown kind {kind!r}. Did you mean {close[0]!r}? (A kind of "
-            f"your own is declared with `jaxstate.kinds.define({kind!r})`.)"
+            f"`{fn}`: unknown kind {kind!r}. Did you mean {close[0]!r}? Or add it: "
+            f"`jaxstate.kinds.define({kind!r})`."
         )
     raise ValueError(
-        f"`{fn}`: unknown kind {kind!r}. The kinds are {known()}; declare one of "
-        f"your own first with `jaxstate.kinds.define({kind!r})`."
+        f"`{fn}`: unknown kind {kind!r}. The kinds are {known()}; add it: "
+        f"`jaxstate.kinds.define({kind!r})`."
     )
 
 
@@ -123,10 +123,8 @@ def check_filter(filter: Any, fn: str) -> None:
             check_kind(filter, fn, also=(PARAMS,))
     else:
         raise TypeError(
-            f"`{fn}`: {filter!r} is not a filter. A filter is a kind (a string, "
-            '"params" for the arrays), `...` for everything, a tuple of filters '
-            "(any of them), `jaxstate.kinds.Not(filter)`, or a function "
-            "`(name, kind) -> bool`."
+            f"`{fn}`: {filter!r} is not a filter: pass a kind, `...`, a tuple of "
+            "filters, `jaxstate.kinds.Not(f)` or a function `(name, kind) -> bool`."
         )
 
 

@@ -58,16 +58,15 @@ def _wait_free(ids: Iterable[int], nested: bool) -> None:
         if me in owners or isinstance(threading.current_thread(), _DummyThread):
             raise RuntimeError(
                 "A state used by a running `jaxstate.jit` call was reached from "
-                "inside that call (the same thread, or a host callback such as "
-                "`jax.debug.callback`). Read or write it outside the compiled "
-                "function, or pass it in and return what you need."
+                "inside that call (or its host callback): pass it in and return what "
+                "you need. See docs/misuse.md#state-in-a-callback."
             )
         if nested:
             # Waiting would release the lock under the enclosing section.
             raise RuntimeError(
-                "State was used from a finaliser (`__del__`, a weakref callback) "
-                "while a `jaxstate.jit` call of another thread holds it. Do not read "
-                "or write state in finalisers."
+                "State was used from a finaliser while another thread's "
+                "`jaxstate.jit` call holds it: do not use state in `__del__` or "
+                "weakref callbacks."
             )
         _waiting += 1
         _holder = None

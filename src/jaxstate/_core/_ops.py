@@ -43,8 +43,8 @@ def set_state(index: StateIndex, state: PyTree[ArrayLike]) -> None:
     check_index(index, "set_state")
     if flag_value(index.inference, "StateIndex"):
         raise RuntimeError(
-            "Cannot use `set_state` on a StateIndex in inference mode. Switch the "
-            "model back to training with `jaxstate.tree_inference(model, False)`."
+            "Cannot use `set_state` in inference mode: call "
+            "`jaxstate.tree_inference(model, False)` first."
         )
     write(index._handle, state, "set_state")
 

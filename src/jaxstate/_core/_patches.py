@@ -47,9 +47,8 @@ def _cond_batcher(axis_data, args, dims, *, branches, **params):
         if not all(_jax.is_read_effect(eff) for eff in effects):
             raise NotImplementedError(
                 "A `lax.cond`/`lax.switch` whose predicate differs between vmap "
-                "members cannot write state (JAX runs every branch). Write the "
-                "chosen value instead: "
-                "`set_state(index, jnp.where(pred, new, get_state(index)))`."
+                "members cannot write state: write `jnp.where(pred, new, old)` "
+                "instead. See docs/misuse.md#cond-per-member-write."
             )
         return _select_branches(axis_data, index, index_dim, ops, op_dims, branches)
     ops_batched = [d is not None for d in op_dims]

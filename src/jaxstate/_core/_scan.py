@@ -66,9 +66,8 @@ def _stacked_states(xs: Any, length: int | None) -> tuple[dict[int, Storage], in
             continue
         if not is_set(storage):
             raise RuntimeError(
-                "`jaxstate.scan` got an index in `xs` with no state yet: set every "
-                "state of the stacked layers before the scan, in the layer's "
-                "`__init__` (for example `StateIndex(init=value)`)."
+                "`jaxstate.scan` got an index in `xs` with no state yet: set the "
+                "layers' states before the scan (e.g. `StateIndex(init=value)`)."
                 + describe_unset(storage)
             )
         if length is None and storage.batch_shape:
@@ -76,9 +75,9 @@ def _stacked_states(xs: Any, length: int | None) -> tuple[dict[int, Storage], in
         if storage.batch_shape[:1] != (length,):
             raise RuntimeError(
                 f"`jaxstate.scan` runs {length} layers, but an index in `xs` holds "
-                f"state of {storage.describe()}, not one slice per layer along its "
-                "first axis. Put only layers built by one `eqx.filter_vmap` in "
-                "`xs`; pass state shared by the layers in `init` or close over it."
+                f"state of {storage.describe()}, not one slice per layer: pass state "
+                "shared by the layers in `init` or close over it. "
+                "See docs/misuse.md#scan-shared-state."
             )
         note_reached(storage)
         check_not_scanned(handle, storage, "jaxstate.scan")

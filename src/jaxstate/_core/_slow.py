@@ -84,22 +84,14 @@ def note_reference_path(storage) -> None:
     name = where.split(" at ")[0]
     if in_jaxstate_jit():
         fix = (
-            f"`{name}` is compiled with `jaxstate.jit` but reaches this state by "
-            "closing over it, or through an index in a static field: pass the model "
-            "holding it as an argument, in an ordinary field, so that its state "
-            "travels as donated buffers."
+            "It reaches the state by closing over it or through a static field: "
+            "pass the model as an argument."
         )
     else:
-        fix = (
-            f"Compile `{name}` with `jaxstate.jit` instead (a drop-in for "
-            "`eqx.filter_jit`; pass the model as an argument), which keeps JAX's "
-            "fast path."
-        )
+        fix = f"Compile `{name}` with `jaxstate.jit` (the model as an argument)."
     warnings.warn(
-        f"`{name}` reads or writes jaxstate state through JAX's references, so every "
-        "call of it takes JAX's slower Python dispatch path (tens of microseconds "
-        f"more per call). {fix} Silence this with `warnings.filterwarnings("
-        '"ignore", category=jaxstate.SlowPathWarning)`.',
+        f"`{name}` uses jaxstate state through JAX's references, which takes JAX's "
+        f"slower dispatch path. {fix} See docs/misuse.md#slow-path.",
         SlowPathWarning,
         stacklevel=call_site_stacklevel(sys._getframe()),
     )

@@ -167,9 +167,8 @@ def describe_unset(storage: Storage) -> str:
     """Why an index has no state, for error messages."""
     if storage.refs is not None:
         return (
-            " It was first set inside a traced function that has not run since, or "
-            "only in a branch that did not run, or the trace was only abstract "
-            "(`jax.eval_shape`, `make_jaxpr`) or failed."
+            " It was set only in a trace that has not run (a branch not taken, "
+            "`jax.eval_shape`, a failed trace)."
         )
     return ""
 
@@ -177,9 +176,8 @@ def describe_unset(storage: Storage) -> str:
 def _check_eager(what: str) -> None:
     if not _jax.is_eager():
         raise RuntimeError(
-            f"{what} a model holding state copies the state's current values, which "
-            "exist only outside jit, vmap, grad and other transforms. Copy the model "
-            "outside them and pass the copy in."
+            f"{what} a model with state works only outside jit, vmap and grad: copy "
+            "it outside them."
         )
 
 
@@ -306,9 +304,8 @@ class Handle:
     def get(self) -> Storage:
         if self.storage is None:
             raise RuntimeError(
-                "This StateIndex refers to state that has been freed: it was rebuilt "
-                "from tree structure kept after every model holding it was deleted. "
-                "Rebuild it from a live model."
+                "This StateIndex refers to state that has been freed (its model is "
+                "gone). Rebuild it from a live model. See docs/misuse.md#freed-state."
             )
         return self.storage
 

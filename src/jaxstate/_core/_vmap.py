@@ -49,8 +49,7 @@ def vmaps_known() -> bool:
 # over them is refused by `_access.check_not_scanned`; this is for the other ways
 # of reaching them, such as slicing the layers by hand in a loop.)
 _SCAN_OVER_LAYERS = (
-    " If these are layers stacked with `eqx.filter_vmap`, run them with "
-    "`jaxstate.scan`, which gives each iteration its own layer's state."
+    " For layers stacked by `eqx.filter_vmap`, run them with `jaxstate.scan`."
 )
 
 
@@ -65,17 +64,16 @@ def check_vmaps(batch_shape: tuple[int, ...], fn: str) -> None:
     if len(sizes) < k:
         raise RuntimeError(
             f"This state was first set under {k} vmap(s) of sizes "
-            f"{_sizes(batch_shape)} and holds one slice per member, but `{fn}` was "
-            f"called under {len(sizes)} vmap(s). Use it inside the same vmaps it was "
-            "first set under, or call `index.unsafe_get()` outside any transform for "
-            "the whole stacked value." + _SCAN_OVER_LAYERS
+            f"{_sizes(batch_shape)}, but `{fn}` was called under {len(sizes)} "
+            "vmap(s). Use it under the same vmaps."
+            + _SCAN_OVER_LAYERS
+            + " See docs/misuse.md#fewer-vmaps."
         )
     if sizes[:k] != tuple(batch_shape):
         raise RuntimeError(
             f"This state was first set under vmaps of sizes {_sizes(batch_shape)}, but "
-            f"`{fn}` was called under vmaps of sizes {_sizes(sizes[:k])}. The batch "
-            "sizes must match: vmap over the same number of members."
-            + _SCAN_OVER_LAYERS
+            f"`{fn}` was called under vmaps of sizes {_sizes(sizes[:k])}. Use vmaps "
+            "of its sizes." + _SCAN_OVER_LAYERS + " See docs/misuse.md#vmap-size."
         )
 
 
@@ -94,9 +92,9 @@ def _level_of(axis_data, batch_shape, n_state: int, fn: str) -> bool:
     if outside != k - 1 - n_state or _jax.axis_size(axis_data) != batch_shape[outside]:
         seen = [_jax.axis_size(axis_data)] + list(batch_shape[k - n_state :])
         raise RuntimeError(
-            f"`{fn}` of a state with vmap batch axes of sizes {_sizes(batch_shape)} "
-            f"ended up under vmaps of sizes {_sizes(list(vmap_sizes()) + seen)}. Use "
-            "the state under the same vmaps it was first set under."
+            f"`{fn}` of a state with batch axes of sizes {_sizes(batch_shape)} ended "
+            f"up under vmaps of sizes {_sizes(list(vmap_sizes()) + seen)}: use it "
+            "under the vmaps it was set under."
         )
     return True
 
@@ -105,9 +103,8 @@ def _check_levels(n_state: int, batch_shape, fn: str) -> None:
     # Evaluated or lowered: every batch axis of the state must have met its vmap.
     if n_state != len(batch_shape):
         raise RuntimeError(
-            f"`{fn}` of a state with vmap batch axes of sizes {_sizes(batch_shape)} "
-            f"ended up under {n_state} of those vmaps. Use the state under the same "
-            "vmaps it was first set under."
+            f"`{fn}` of a state with batch axes of sizes {_sizes(batch_shape)} ended "
+            f"up under {n_state} of those vmaps: use it under all of them."
         )
 
 
@@ -146,16 +143,15 @@ def _read_batcher(axis_data, vals, dims, *, batch_shape, n_state):
     full, *like = vals
     if dims[0] is not None:
         raise RuntimeError(
-            "jaxstate state was read from a batched reference. State references are "
-            "never vmapped over; do not pass them to `jax.vmap` yourself."
+            "State was read from a batched reference: do not pass state references "
+            "to `jax.vmap`."
         )
     is_state = _level_of(axis_data, batch_shape, n_state, "get_state")
     if like and not is_state and dims[1] is not None:
         raise RuntimeError(
-            "`like` passed to `get_state` varies across the members of a vmap that "
-            "this state was not first set under, so it has no batch axis there. "
-            "Pass a `like` that is the same for every member of that vmap, or first "
-            "set the state under that vmap so that each member has its own slice."
+            "`like` passed to `get_state` varies across a vmap this state was not "
+            "set under: pass the same `like` for every member. "
+            "See docs/misuse.md#per-example-write."
         )
     like = [
         _jax.moveaxis(x, d, 0) if d is not None else x
@@ -210,11 +206,9 @@ def _write_batcher(axis_data, vals, dims, *, batch_shape, levels):
         if dim is not None:
             raise RuntimeError(
                 f"`set_state` was given a value that differs across the {size} "
-                "members of a vmap that this state was not created under, so there "
-                "is one slot for many values. Reduce the value over that axis first "
-                "(for example `lax.pmean(x, axis_name)`, as BatchNorm does), or "
-                "create the state under that vmap so that each member has its own "
-                "slice."
+                "members of a vmap this state was not created under: one slot for "
+                "many values. Reduce it first (e.g. `lax.pmean`). "
+                "See docs/misuse.md#per-example-write."
             )
         out = write_p.bind(value, batch_shape=batch_shape, levels=levels)
         return out, None

@@ -43,14 +43,14 @@ class _JitWrapper:
     def __init__(self, fun: Callable, donate: _Donate, jitkwargs: dict):
         if donate not in _DONATE:
             raise ValueError(
-                "`jaxstate.jit(..., donate=...)` must be one of 'all', "
-                "'all-except-first', 'warn', 'warn-except-first' or 'none'."
+                "`jaxstate.jit(..., donate=...)` must be 'all', 'all-except-first', "
+                "'warn', 'warn-except-first' or 'none'."
             )
         for name in ("static_argnums", "static_argnames", "donate_argnums"):
             if name in jitkwargs:
                 raise ValueError(
-                    f"`jaxstate.jit` does not take `{name}`: like `eqx.filter_jit`, it "
-                    "keeps every non-array static and traces every array."
+                    f"`jaxstate.jit` does not take `{name}`: as `eqx.filter_jit`, it "
+                    "traces arrays only."
                 )
         self.fun = fun
         self.donate = donate
@@ -303,13 +303,13 @@ class AotCompiled:
             if self._program.created:
                 raise TypeError(
                     "This compiled function gives a state its first value, so it "
-                    "serves only the model it was lowered for. Give the state a value "
-                    "before lowering, or call `jaxstate.jit(f)` itself."
+                    "serves only the model it was lowered for: set the state before "
+                    "lowering, or call `jaxstate.jit(f)`."
                 )
             raise TypeError(
                 "This compiled function was lowered for arguments of another "
-                "structure or other static values. Lower it again for these, or "
-                "call `jaxstate.jit(f)` itself."
+                "structure or other static values: lower it again, or call "
+                "`jaxstate.jit(f)`."
             )
         return wrapper.execute(program, call, call.arrays, first, self._executable)
 

@@ -23,8 +23,8 @@ def states_of(tree) -> dict[str, Storage]:
     contents = walk(tree, abstract=True)
     if contents.unset:
         raise RuntimeError(
-            f"The StateIndex at {jtu.keystr(contents.unset[0][0])!r} has no state yet; "
-            "set it before making a pure function."
+            f"The StateIndex at {jtu.keystr(contents.unset[0][0])!r} has no state yet: "
+            "set it first."
         )
     return {entry.name: entry.storage for entry in contents.states}
 
@@ -54,7 +54,7 @@ def checked_state(
         got = sorted(state) if isinstance(state, dict) else f"a {type(state).__name__}"
         raise ValueError(
             f"{fn}: `{what}` must have exactly the entries {sorted(storages)}, got "
-            f"{got}: a dict like the state `jaxstate.to_pure` gives."
+            f"{got}."
         )
     out = {}
     for name, storage in storages.items():

@@ -113,8 +113,8 @@ class CachedSelfAttention(eqx.Module):
         sizes = (attention.query_size, attention.key_size, attention.value_size)
         if len(set(sizes)) != 1:
             raise ValueError(
-                "CachedSelfAttention needs a self-attention layer, with equal "
-                f"query_size, key_size and value_size; got {sizes}."
+                "CachedSelfAttention needs a self-attention layer (equal query, key "
+                f"and value sizes), got {sizes}."
             )
         dtype = attention.query_proj.weight.dtype if dtype is None else dtype
         self.attention = attention
@@ -176,7 +176,7 @@ class CachedSelfAttention(eqx.Module):
         if x.ndim != 2 or x.shape[1] != mha.query_size:
             raise ValueError(
                 f"CachedSelfAttention expects one sequence of shape (tokens, "
-                f"{mha.query_size}), got {x.shape}. For a batch, vmap over it."
+                f"{mha.query_size}), got {x.shape}: vmap over batches."
             )
         n = x.shape[0]
         if padding_mask is not None:
@@ -184,8 +184,7 @@ class CachedSelfAttention(eqx.Module):
             if padding_mask.shape != (n,) or padding_mask.dtype != jnp.bool_:
                 raise ValueError(
                     "CachedSelfAttention expects a boolean padding_mask of shape "
-                    f"({n},) (one per token), got "
-                    f"{padding_mask.dtype}{padding_mask.shape}."
+                    f"({n},), got {padding_mask.dtype}{padding_mask.shape}."
                 )
         query = jax.vmap(mha.query_proj)(x).reshape(n, mha.num_heads, -1)
         key_ = jax.vmap(mha.key_proj)(x).reshape(n, mha.num_heads, -1)

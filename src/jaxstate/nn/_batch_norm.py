@@ -147,13 +147,9 @@ class BatchNorm(eqx.Module):
             mode = "debiased"
             warnings.warn(
                 "`jaxstate.nn.BatchNorm(..., mode=...)` is unset, so it uses "
-                "'debiased' (inference normalises with the exact average of the "
-                "batch statistics seen so far). Note that `eqx.nn.BatchNorm` with "
-                "`mode` unset uses 'ema' instead: pass `mode='ema'` to get its "
-                "numbers (or `mode='batch'` for `eqx.nn.BatchNorm(mode='batch')`, "
-                "`mode='flax'` for Flax's `BatchNorm`, `mode='torch'` for PyTorch's). "
-                "Pass `mode='debiased'` to "
-                "silence this warning.",
+                "'debiased'. For `eqx.nn.BatchNorm`'s numbers pass `mode='ema'` (or "
+                "its `mode='batch'`); any mode silences this. "
+                "See docs/misuse.md#batchnorm-mode-unset.",
                 stacklevel=user_stacklevel(),
             )
         if mode not in _MODES:
@@ -166,8 +162,8 @@ class BatchNorm(eqx.Module):
         if mode == "torch":
             if momentum is not None and not 0 <= momentum <= 1:
                 raise ValueError(
-                    "BatchNorm(mode='torch') takes PyTorch's momentum, the weight of "
-                    f"the new batch, in [0, 1] (or `None`), got {momentum}."
+                    "BatchNorm(mode='torch') takes PyTorch's momentum, in [0, 1] (or "
+                    f"`None`), got {momentum}."
                 )
         elif momentum is None:
             raise ValueError(
@@ -239,8 +235,7 @@ class BatchNorm(eqx.Module):
         if n < 2:
             raise ValueError(
                 "BatchNorm(mode='torch') needs more than one value per channel in "
-                f"training, as PyTorch does, got {n}: the running variance divides "
-                "by n - 1. Train with a larger batch, or call it in inference mode."
+                f"training, got {n}: use a larger batch, or inference mode."
             )
         return n
 
@@ -303,7 +298,7 @@ class BatchNorm(eqx.Module):
         if x.shape[:1] != (self.input_size,):
             raise ValueError(
                 f"BatchNorm expects one example of shape ({self.input_size}, ...), "
-                f"got shape {x.shape}. Call it per example, inside "
+                f"got shape {x.shape}: call it per example, under "
                 f"`jax.vmap(..., axis_name={self.axis_name!r})`."
             )
         if inference is None:
@@ -314,8 +309,8 @@ class BatchNorm(eqx.Module):
         dtype = stored_mean.dtype
         if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating):
             raise TypeError(
-                f"BatchNorm got complex input ({x.dtype}) but keeps real statistics "
-                f"({dtype}). Create it with `dtype=` a complex dtype."
+                f"BatchNorm got complex input ({x.dtype}) but real statistics: create "
+                "it with a complex `dtype=`."
             )
         # Everything in the wider of the input's dtype and the statistics' (at
         # least float32), cast explicitly, so that strict dtype promotion works

@@ -23,21 +23,20 @@ def _check_p(p) -> float:
         isinstance(p, numbers.Real) or is_scalar_array
     ):
         raise TypeError(
-            "`jaxstate.nn.Dropout(p=...)` takes the fraction of entries to drop as a "
-            f"number, got {type(p).__name__} ({p!r:.60})."
+            "`jaxstate.nn.Dropout` takes p as a number, got "
+            f"{type(p).__name__} ({p!r:.60})."
         )
     try:
         value = float(p)
     except jax.errors.ConcretizationTypeError:
         raise TypeError(
-            "`jaxstate.nn.Dropout(p=...)` was given a traced value; build the layer "
-            "with a Python number (change it later with `eqx.tree_at` if needed)."
+            "`jaxstate.nn.Dropout(p=...)` was given a traced value: build the layer "
+            "with a Python number."
         ) from None
     if not 0 <= value < 1:
         raise ValueError(
-            f"`jaxstate.nn.Dropout` needs 0 <= p < 1, got p={value}. p is the "
-            "fraction of entries set to zero: p=1 would drop everything (and scale "
-            "by 1/0); use p=0, or inference mode, for no dropout."
+            f"`jaxstate.nn.Dropout` needs 0 <= p < 1, got p={value}: use p=0 or "
+            "inference mode for no dropout."
         )
     return value
 
@@ -45,16 +44,10 @@ def _check_p(p) -> float:
 def _stream(key, inference: bool) -> RNGStream:
     if isinstance(key, RNGStream):
         return with_inference(key, inference)
-    fix = (
-        "Pass an int seed, a key from `jax.random.key(seed)` (or a legacy "
-        "`jax.random.PRNGKey(seed)`), or a `jaxstate.nn.RNGStream` to share."
-    )
+    fix = "Pass an int seed, a key (`jax.random.key`) or a `jaxstate.nn.RNGStream`."
     if key is None:
         raise TypeError(
-            "`jaxstate.nn.Dropout` needs `key=`: it draws its masks from a random "
-            f"stream of its own, seeded once here. {fix} Give every dropout layer "
-            "its own key (e.g. from `jax.random.split`), or they drop the same "
-            "entries."
+            f"`jaxstate.nn.Dropout` needs `key=`, a different one per layer. {fix}"
         )
     if isinstance(key, (bool, np.bool_, float)) or (
         not isinstance(key, int) and not hasattr(key, "dtype")
@@ -69,9 +62,8 @@ def _stream(key, inference: bool) -> RNGStream:
             if x.shape != ():
                 raise ValueError(
                     "`jaxstate.nn.Dropout(key=...)` takes a single key, got a key "
-                    f"array of shape {x.shape}. For one layer per key (an "
-                    "ensemble), build them under a vmap: "
-                    "`eqx.filter_vmap(lambda k: jaxstate.nn.Dropout(p, key=k))(keys)`."
+                    f"array of shape {x.shape}: for one layer per key, build them "
+                    "under `eqx.filter_vmap`."
                 )
         elif not (
             (x.dtype == jnp.uint32 and x.shape == (2,))
@@ -201,12 +193,10 @@ class Dropout(eqx.Module):
         if key is None:
             if self.axis_name is None and extra_vmaps(self.rng.state) > 0:
                 raise RuntimeError(
-                    "`jaxstate.nn.Dropout` was called under a vmap that it was not "
-                    "built under, with no `axis_name`: every example would get the "
-                    "same dropout mask. Name the vmap (`jax.vmap(model, "
-                    'axis_name="batch")`) and build the layer with it: '
-                    '`jaxstate.nn.Dropout(p, key=key, axis_name="batch")`. (Layers '
-                    "built under `eqx.filter_vmap`, one per member, need no name.)"
+                    "`jaxstate.nn.Dropout` was called under a vmap it was not built "
+                    "under, with no `axis_name`: every example would get the same "
+                    'mask. Name the vmap and build the layer with `axis_name="batch"`. '
+                    "See docs/misuse.md#unnamed-vmap."
                 )
             # Before drawing: a layer built with `axis_name` under a vmap without
             # that name gets an error naming the fix, and its stream stays put.

@@ -134,11 +134,10 @@ class EMA(eqx.Module):
             diff = sorted(set(ours.items()) ^ set(theirs.items()))
             path = diff[0][0] if diff else "?"
             raise ValueError(
-                f"`EMA.{fn}` got a model whose parameters differ from those the EMA "
-                f"was created with, at {path or 'the root'}: expected "
-                f"{ours.get(path, 'no parameter')}, got "
-                f"{theirs.get(path, 'no parameter')}. Pass the same model (updated "
-                "parameters, same structure), or create a new EMA for a new model."
+                f"`EMA.{fn}` got a model whose parameters differ from the EMA's at "
+                f"{path or 'the root'}: expected {ours.get(path, 'no parameter')}, "
+                f"got {theirs.get(path, 'no parameter')}. Pass the same model, or "
+                "make a new EMA."
             )
         return leaves, treedef
 

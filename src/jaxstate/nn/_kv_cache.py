@@ -202,28 +202,25 @@ class KVCache(eqx.Module):
             raise ValueError(
                 f"KVCache.append expects keys of shape (tokens, {self.num_heads}, "
                 f"{self.key_size}) and values of shape (tokens, {self.num_heads}, "
-                f"{self.value_size}), got {keys.shape} and {values.shape}. Call it on "
-                "one sequence; for a batch, create the cache with `batch_size=` and "
-                "vmap over the sequences."
+                f"{self.value_size}), got {keys.shape} and {values.shape}. For a "
+                "batch, create it with `batch_size=` and vmap."
             )
         if padding_mask is not None:
             padding_mask = jnp.asarray(padding_mask)
             if padding_mask.shape != (n,) or padding_mask.dtype != jnp.bool_:
                 raise ValueError(
-                    f"KVCache.append expects a boolean padding_mask of shape ({n},) "
-                    f"(one per token), got {padding_mask.dtype}{padding_mask.shape}."
+                    f"KVCache.append expects a boolean padding_mask of shape ({n},), "
+                    f"got {padding_mask.dtype}{padding_mask.shape}."
                 )
         if n > self.max_len:
             raise ValueError(
-                f"KVCache.append got {n} tokens, more than the cache holds "
-                f"(max_len={self.max_len}). Create the cache with a larger max_len."
+                f"KVCache.append got {n} tokens, more than max_len={self.max_len}: "
+                "create a longer cache."
             )
         if extra_vmaps(self.position) > 0:
             raise RuntimeError(
-                "KVCache.append was called under a vmap that the cache was not "
-                "created under, so all sequences would share one cache. Create it "
-                "with `batch_size=` (or under `eqx.filter_vmap`) to give each "
-                "sequence its own."
+                "KVCache.append was called under a vmap the cache was not created "
+                "under: create it with `batch_size=` (or under `eqx.filter_vmap`)."
             )
         all_keys, all_values = get_state(self.buffers)
         start = get_state(self.position)
@@ -275,8 +272,8 @@ class KVCache(eqx.Module):
 
     def _check_fits(self, start, n_new, fits):
         fix = (
-            "Call `reset()` for a new sequence, make a longer cache (`resized`, "
-            "or a larger max_len), or pass `on_overflow='nan'` to get NaN instead."
+            "Call `reset()`, make a longer cache (`resized`), or pass "
+            "`on_overflow='nan'`."
         )
         if only_eager_vmaps():
             # Eager (under eager vmaps too, for a batched cache): the values are

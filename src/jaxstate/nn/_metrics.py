@@ -19,9 +19,7 @@ from ._util import (
 )
 
 
-_VMAP_FIX = (
-    "each member would add its own value to one shared total, which cannot be stored."
-)
+_VMAP_FIX = "each member would add to one shared total."
 
 
 def _reduce(x: Array, axis_name: AxisName | None, what: str) -> Array:
@@ -98,14 +96,13 @@ class Counter(eqx.Module):
         n = jnp.asarray(n)
         if n.shape != ():
             raise ValueError(
-                f"Counter.increment takes a scalar, got shape {n.shape}. To count the "
-                "elements of an array, pass `x.size` (or `jnp.sum(mask)`)."
+                f"Counter.increment takes a scalar, got shape {n.shape}: to count "
+                "elements, pass `x.size`."
             )
         if not (jnp.issubdtype(n.dtype, jnp.integer) or n.dtype == jnp.bool_):
             raise TypeError(
-                f"Counter.increment counts whole numbers, got {n.dtype} (it would be "
-                "truncated). Pass an int, or keep fractional totals with "
-                "`jaxstate.nn.Mean`."
+                f"Counter.increment counts whole numbers, got {n.dtype}: pass an int, "
+                "or use `jaxstate.nn.Mean`."
             )
         check_axis_name(self.count, axis_name, "Counter.increment", _VMAP_FIX)
         count = get_state(self.count)
@@ -218,8 +215,8 @@ class Mean(eqx.Module):
         for name, v in (("values", values), ("weight", weight)):
             if v is not None and jnp.iscomplexobj(v):
                 raise TypeError(
-                    f"Mean.update got complex `{name}`; its sums are real, so the "
-                    "imaginary part would be dropped. Pass `jnp.abs(x)` or `x.real`."
+                    f"Mean.update got complex `{name}`, whose imaginary part would be "
+                    "dropped: pass `jnp.abs(x)` or `x.real`."
                 )
         values = jnp.asarray(values, total.dtype)
         if weight is None:
@@ -230,8 +227,8 @@ class Mean(eqx.Module):
         except ValueError:
             raise ValueError(
                 f"Mean.update got values of shape {values.shape} and a weight of shape "
-                f"{weight.shape}, which does not broadcast to it. Pass one weight per "
-                "value (same shape) or a scalar."
+                f"{weight.shape}, which does not broadcast: pass one weight per value, "
+                "or a scalar."
             ) from None
         check_axis_name(self.totals, axis_name, "Mean.update", _VMAP_FIX)
         new = (
@@ -329,8 +326,8 @@ class Accuracy(eqx.Module):
     def _shape_error(predictions: Array, labels: Array) -> str:
         return (
             f"Accuracy.update got predictions of shape {predictions.shape} and labels "
-            f"of shape {labels.shape}. Pass scores of shape (*labels.shape, classes) "
-            "or predicted labels of the same shape as the labels."
+            f"of shape {labels.shape}: pass scores of shape (*labels.shape, classes) "
+            "or labels of that shape."
         )
 
     def __call__(

@@ -27,8 +27,8 @@ def _as_key(seed_or_key) -> PRNGKeyArray:
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         if x.shape != ():
             raise ValueError(
-                f"RNGStream takes a single key, got a key array of shape {x.shape}. "
-                "For one stream per key, build them under a vmap: "
+                f"RNGStream takes a single key, got a key array of shape {x.shape}: "
+                "for one stream per key, "
                 "`eqx.filter_vmap(jaxstate.nn.RNGStream)(keys)`."
             )
         return x
@@ -38,8 +38,8 @@ def _as_key(seed_or_key) -> PRNGKeyArray:
     if jnp.issubdtype(x.dtype, jnp.integer) and x.shape == ():
         return jax.random.key(x)
     raise TypeError(
-        "RNGStream takes an int seed or a key from `jax.random.key(seed)` (or a legacy "
-        f"`jax.random.PRNGKey`), got an array of {x.dtype}{list(x.shape)}."
+        "RNGStream takes an int seed or a key (`jax.random.key`), got an array of "
+        f"{x.dtype}{list(x.shape)}."
     )
 
 
@@ -167,19 +167,16 @@ class RNGStream(eqx.Module):
             self.state,
             axis_name,
             "RNGStream.next",
-            "every member of that vmap would get the same key.",
+            "every member would get the same key.",
         )
         names = () if axis_name is None else axis_names(axis_name)
         unnamed = extra_vmaps(self.state) - len(names)
         if unnamed > 0:
             raise RuntimeError(
-                "`RNGStream.next` (which `jaxstate.nn.Dropout` calls) was called "
-                f"under {unnamed} vmap(s) that its state was not created under and "
-                f"that `axis_name={axis_name!r}` does not name: every member of those "
-                "would get the same key (the same dropout mask). Name each such vmap "
-                'and pass every name, e.g. `axis_name=("batch", "token")`. To '
-                "share one key across a vmap on purpose, draw it outside that vmap "
-                "and pass it in (`dropout(x, key=key)`)."
+                f"`RNGStream.next` was called under {unnamed} vmap(s) that "
+                f"`axis_name={axis_name!r}` does not name: every member would get the "
+                "same key. Name each vmap and pass every name. "
+                "See docs/misuse.md#unnamed-vmap."
             )
         key_data, counter = get_state(self.state)
         key = jax.random.wrap_key_data(key_data, impl=self.impl)

@@ -105,9 +105,8 @@ def check_axis_name(
     if axis_name is None and extra_vmaps(index) > 0:
         raise RuntimeError(
             f"`{what}` was called under a vmap that its state was not created under, "
-            f"without `axis_name`: {fix} Name the vmap (`jax.vmap(f, "
-            f'axis_name="batch")`) and pass `axis_name="batch"`. (State created '
-            "under `eqx.filter_vmap`, one per member, needs no axis name.)"
+            f"without `axis_name`: {fix} Name the vmap and pass `axis_name=` its name. "
+            "See docs/misuse.md#unnamed-vmap."
         )
 
 
@@ -120,8 +119,7 @@ def unbound_axis_error(
     return NameError(
         f"unbound axis name: {name}. {what} was given "
         f"`axis_name={axis_name!r}` ({role}), but is called "
-        f"outside any vmap named {name!r}: under a vmap with no name or another "
-        f"name, or under none. Name the vmap it is called under: "
+        f"outside any vmap named {name!r}: name the vmap, "
         f"`jax.vmap(model, axis_name={name!r})`.{extra}"
     )
 
@@ -155,9 +153,8 @@ def reduce_over(
 def check_can_create(what: str) -> None:
     if not only_eager_vmaps():
         raise RuntimeError(
-            f"`{what}` creates new state, which has to happen outside jax.jit / scan / "
-            "grad (there is no memory there that outlives the call). Call it eagerly, "
-            "for example in the model's `__init__`, and keep the result in the model."
+            f"`{what}` creates new state, which works only outside jit, scan and grad: "
+            "call it eagerly (e.g. in `__init__`) and keep the result in the model."
         )
 
 
