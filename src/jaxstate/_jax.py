@@ -120,6 +120,17 @@ def batch_info(trace: Any, x: Any) -> tuple[Any, int | None]:
     return trace.to_batch_info(x)
 
 
+def is_ad_trace(trace: Any) -> bool:
+    """Whether `trace` is one of `grad`'s or `jvp`'s (a `JVPTrace` or a
+    `LinearizeTrace`)."""
+    return isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace))
+
+
+def primal(trace: Any, x: Any) -> Any:
+    """The primal value of `x` as seen by `grad`'s or `jvp`'s trace `trace`."""
+    return trace.to_primal_tangent_pair(x)[0]
+
+
 def traced_for(trace: Any) -> str | None:
     """What a tracing trace was made for: `"jit"`, `"while_cond"`, `"scan"`, ...
     (JAX records it in the debug info of the jaxpr being built); `"shard_map"` for
