@@ -132,6 +132,23 @@ def test_batch_info_and_moving_axes():
     assert _jax.moveaxis(jnp.zeros((2, 3)), 1, 0).shape == (3, 2)
 
 
+def test_the_primal_value_under_grad_and_jvp():
+    seen = []
+
+    def f(x):
+        trace = _jax.current_trace()
+        assert _jax.is_ad_trace(trace)
+        seen.append(_jax.primal(trace, x))
+        return x * 2.0
+
+    jax.grad(f)(3.0)
+    jax.jvp(f, (4.0,), (1.0,))
+    assert [float(x) for x in seen] == [3.0, 4.0]
+    assert not _jax.is_ad_trace(_jax.current_trace())
+    jax.vmap(lambda x: seen.append(_jax.is_ad_trace(_jax.current_trace())))(jnp.ones(2))
+    assert seen[-1] is False
+
+
 def test_the_buffer_inside_a_reference():
     ref = jax.new_ref(jnp.arange(3.0))
     holder = _jax.buffer_holder(ref)

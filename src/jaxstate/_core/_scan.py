@@ -14,8 +14,10 @@ iteration: `_access.check_not_scanned` refuses that. See docs/design.md, "Scan o
 layers".
 """
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
@@ -79,6 +81,11 @@ _AXIS_ORDER = (
 
 _UNKNOWN = object()
 
+# While a `jaxstate.scan` body is traced: that trace, and for each of its `xs`
+# leaves (by id) what `_mapped_axes` said of the array it slices, so that a scan
+# inside the body (a stack of stacks) sees through it.
+_body = threading.local()
+
 
 def _mapped_axes(x: Any) -> list:
     """For each vmap around the current trace, outermost first (as `vmap_sizes`),
@@ -97,8 +104,28 @@ def _mapped_axes(x: Any) -> list:
         elif _jax.is_ad_trace(trace) and x is not _UNKNOWN:
             x = _jax.primal(trace, x)
         elif isinstance(x, _jax.Tracer):
+            known = getattr(_body, "leaves", {})
+            if getattr(_body, "trace", None) is trace and id(x) in known:
+                return known[id(x)] + axes[::-1]
             x = _UNKNOWN
     return axes[::-1]
+
+
+def _in_body(axes: list) -> list:
+    # A slice along the (logical) leading axis: an axis mapped after it moves up.
+    return [a - 1 if isinstance(a, int) and a > 0 else a for a in axes]
+
+
+@contextlib.contextmanager
+def _tracing_body(leaves: list, axes: list | None) -> Iterator[None]:
+    previous = getattr(_body, "trace", None), getattr(_body, "leaves", {})
+    if axes is not None:
+        _body.trace = _jax.current_trace()
+        _body.leaves = {id(x): _in_body(a) for x, a in zip(leaves, axes, strict=True)}
+    try:
+        yield
+    finally:
+        _body.trace, _body.leaves = previous
 
 
 def _sides(arrays: list, n_vmaps: int) -> list:
@@ -274,13 +301,14 @@ def scan(
     # The handles stay out of `lax.scan`'s `xs` (rebuilt inside the body), so that
     # `check_not_scanned` sees only plain scans' `xs`.
     leaves, treedef = jtu.tree_flatten(xs)
+    axes = [_mapped_axes(x) for x in leaves] if vmap_sizes() else None
 
     def body(carry, leaves_and_i):
         leaves, i = leaves_and_i
         x = jtu.tree_unflatten(treedef, leaves)
         layer = _slice if n else lambda s, _, axis: _nothing(s, axis)
         stand_ins = {key: layer(s, i, axis) for key, (s, axis) in states.items()}
-        with redirected(stand_ins):
+        with redirected(stand_ins), _tracing_body(leaves, axes):
             return f(carry, x)
 
     # The iteration's number comes in with `xs`, so that `reverse` reverses it too.
