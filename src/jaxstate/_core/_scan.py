@@ -1,7 +1,8 @@
 """`jaxstate.scan`: `lax.scan` over layers stacked by `eqx.filter_vmap`.
 
 Layers made by one vmap hold their state stacked along the layer axis (each state's
-outermost batch axis). `lax.scan` slices the layers' arrays, but not their state,
+outermost batch axis, or the one after an ensemble's members, `_layer_axis`).
+`lax.scan` slices the layers' arrays, but not their state,
 which has no leaves. `jaxstate.scan` hands each iteration its layer's slice: while
 the body runs, every stacked state in `xs` is redirected (as `to_pure` redirects
 states) to a stand-in storage whose references are views of slice `i` of the real
@@ -260,17 +261,22 @@ def scan(
     `get_state`/`set_state` read and write layer `i`'s slice only, in place.
 
     **Arguments:** as `jax.lax.scan`. Each state reached through `xs` must have a
-    value and one slice per iteration along its outermost batch axis (its other
-    batch axes, such as a KV cache's `batch_size`, are met by the vmaps inside or
-    around the scan, as usual).
+    value and one slice per iteration along its layer axis: the outermost batch
+    axis, or, for an ensemble of stacks built members first and vmapped over its
+    members around the scan, the axis after the members'. Its other batch axes
+    (an ensemble's members, a KV cache's `batch_size`) are met by the vmaps
+    inside or around the scan, as usual. Zero layers are fine: as `jax.lax.scan`,
+    the result is `init` and empty outputs.
 
     **Returns:** as `jax.lax.scan`: `(final carry, stacked ys)`.
 
     **Raises:**
 
-    `RuntimeError` if an index in `xs` has no state yet, or a state whose
-    outermost batch axis is not of the scan's length (state shared by every
-    layer goes in `init`, or is closed over); otherwise what `jax.lax.scan`
+    `RuntimeError` if an index in `xs` has no state yet, or a state with no
+    layer axis of the scan's length where the vmaps around the scan allow one
+    (state shared by every layer goes in `init`, or is closed over), or one
+    where the vmaps' sizes allow two and the arrays in `xs` cannot tell which
+    (the message names the axis order to use); otherwise what `jax.lax.scan`
     raises.
 
     !!! example
