@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from tests.helpers import COMPILERS
+from tests.helpers import COMPILERS, ROUNDING
 
 
 class Layer(eqx.Module):
@@ -176,3 +176,56 @@ def test_an_ambiguous_nesting_raises_naming_the_order():
     with pytest.raises(RuntimeError, match=r"cannot tell .* members first"):
         eqx.filter_vmap(run)(ensemble, jnp.ones(2))
     np.testing.assert_array_equal(ensemble.s.unsafe_get(), 100.0 * tags)
+
+
+def _attention(key, sequences):
+    mha = eqx.nn.MultiheadAttention(2, 8, key=key)
+    return jaxstate.nn.CachedSelfAttention(mha, 4, batch_size=sequences)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "jaxstate.jit"])
+@pytest.mark.parametrize("members, layers, sequences", [(2, 2, 2), (2, 3, 4)])
+def test_an_ensemble_of_stacks_of_caches_decodes_members_first(
+    members, layers, sequences, compiler
+):
+    # Caches of axes (members, layers, sequences): the vmaps over the members and
+    # over the sequences both around the scan, one before the layer axis and one
+    # after it. All of size 2 is where only the arrays tell them apart.
+    keys = jax.random.split(jax.random.key(0), (members, layers))
+    make = lambda k: _attention(k, sequences)  # noqa: E731
+    ensemble = eqx.filter_vmap(eqx.filter_vmap(make))(keys)
+    loose = [[make(k) for k in row] for row in keys]
+    params, static = eqx.partition(ensemble, eqx.is_array)
+
+    def decode(params, x):  # x: (members, sequences, tokens, 8)
+        def member(p, x):
+            def sequence(x):
+                def body(h, q):
+                    return h + eqx.combine(q, static)(h, use_cache=True), None
+
+                return jaxstate.scan(body, x, p)[0]
+
+            return jax.vmap(sequence)(x)
+
+        return eqx.filter_vmap(member)(params, x)
+
+    def reference(x):
+        out = []
+        for m, row in enumerate(loose):
+            h = x[m]
+            for layer in row:
+                h = h + jax.vmap(lambda h: layer(h, use_cache=True))(h)
+            out.append(h)
+        return jnp.stack(out)
+
+    step = COMPILERS[compiler](decode)
+    for i in range(3):  # a token at a time
+        x = jax.random.normal(jax.random.key(1 + i), (members, sequences, 1, 8))
+        np.testing.assert_allclose(step(params, x), reference(x), **ROUNDING)
+    got = ensemble.cache.buffers.unsafe_get()
+    for m, row in enumerate(loose):
+        for n, layer in enumerate(row):
+            want = layer.cache.buffers.unsafe_get()
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_allclose(a[m, n], b, **ROUNDING)
+    assert (ensemble.cache.length() == 3).all()

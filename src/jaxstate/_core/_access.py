@@ -148,6 +148,9 @@ def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> An
         or refs is None
         or at_top(storage)
         or any(_jax.is_explicit(_stored_aval(ref).sharding) for ref in refs)
+        # A layer's slice of an ensemble of stacks built members first: the rows
+        # would be indexed around the layer axis, which JAX's indexing moves.
+        or any(isinstance(ref, SliceRef) and not ref.leading for ref in refs)
     ):
         write(handle, state, fn)
         return state
