@@ -15,6 +15,7 @@ import inspect
 import itertools
 import operator
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -199,6 +200,50 @@ def buffer(ref: Any) -> Any:
 def set_buffer(ref: Any, buf: Any) -> None:
     """Makes a concrete reference hold `buf` (of the same type)."""
     ref._refs._buf = buf
+
+
+class _LazyRefImpl(_core.ArrayRefImpl):
+    """A reference's buffer holder whose buffer is made when first read (by JAX
+    running a program that captured the reference, or by jaxstate)."""
+
+    def __init__(self, aval: Any, make: Callable[[], Any]):
+        self._aval = aval
+        self._make: Callable[[], Any] | None = make
+        self._lock = threading.Lock()
+
+    @property
+    def _buf(self) -> Any:
+        if self._make is not None:
+            with self._lock:
+                if self._make is not None:
+                    # (Eagerly, whatever is being traced when the buffer is wanted.)
+                    with _core.set_current_trace(_core.eval_trace):
+                        self.__dict__["buf"] = self._make()
+                    self._make = None
+        return self.__dict__["buf"]
+
+    @_buf.setter
+    def _buf(self, buf: Any) -> None:
+        with self._lock:
+            self._make = None
+            self.__dict__["buf"] = buf
+
+
+def lazy_ref(shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]) -> Any:
+    """A concrete `jax.Ref` (`kind="no_grad_no_remat"`) of `shape` and `dtype` whose
+    buffer, `make()`, is made only when first needed: a trace (`jax.eval_shape`)
+    uses its type only. Assumed: JAX reads a reference's buffer through
+    `ref._refs._buf` (when running a program that captured it, as jaxstate does),
+    and nothing else of it while tracing."""
+    aval = _AbstractRef(_core.ShapedArray(shape, dtype), kind="no_grad_no_remat")
+    return _core.Ref(aval, _LazyRefImpl(aval, make))
+
+
+def has_buffer(ref: Any) -> bool:
+    """Whether a concrete reference holds a buffer (a `lazy_ref`'s is made only
+    when first needed)."""
+    holder = ref._refs
+    return not isinstance(holder, _LazyRefImpl) or holder._make is None
 
 
 def buffer_holder(ref: Any) -> Any:
