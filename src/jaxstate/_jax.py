@@ -242,7 +242,7 @@ def lazy_ref(shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]) -> Any
 def has_buffer(ref: Any) -> bool:
     """Whether a concrete reference holds a buffer (a `lazy_ref`'s is made only
     when first needed)."""
-    holder = ref._refs
+    holder = getattr(ref, "_refs", None)
     return not isinstance(holder, _LazyRefImpl) or holder._make is None
 
 

@@ -133,9 +133,11 @@ def test_an_abstract_trace_leaves_the_index_unset(trace):
     index = jaxstate.StateIndex()
     trace(lambda: jaxstate.set_state(index, jnp.ones(2)))
     assert not index.is_set
-    with pytest.raises(RuntimeError, match="has not run"):
+    # Its memory was never made: abstract, as the states of a model built by
+    # `eqx.filter_eval_shape`.
+    with pytest.raises(RuntimeError, match="abstract .* never ran"):
         jaxstate.get_state(index)
-    with pytest.raises(RuntimeError, match="has not run"):
+    with pytest.raises(RuntimeError, match="abstract .* never ran"):
         jax.jit(lambda: jaxstate.get_state(index))()
     # Still free to be set with any structure.
     jaxstate.set_state(index, (jnp.zeros(3, jnp.int32),))

@@ -19,7 +19,16 @@ from ._context import note_reached, resolve
 from ._create import create
 from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
-from ._storage import describe_unset, Handle, is_set, Key, Storage
+from ._storage import (
+    ABSTRACT,
+    describe_unset,
+    FIX_ABSTRACT,
+    Handle,
+    is_abstract,
+    is_set,
+    Key,
+    Storage,
+)
 from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
 
 
@@ -50,6 +59,11 @@ _PLAIN_SCAN = (
 
 
 def _not_set(storage: Storage) -> RuntimeError:
+    if is_abstract(storage):
+        return RuntimeError(
+            f"This state has no value: its model is abstract ({ABSTRACT}), and the "
+            f"state has only a structure. {FIX_ABSTRACT}"
+        )
     return RuntimeError(
         "Cannot get state before it has been set: call "
         "`jaxstate.set_state(index, value)` first (e.g. in the model's "

@@ -15,7 +15,7 @@ from .._checkpoint._walk import leaf_paths, walk
 from .._core._buffers import commit, snapshot
 from .._core._checks import check_outside
 from .._core._context import redirected
-from .._core._storage import Storage
+from .._core._storage import ABSTRACT, FIX_ABSTRACT, is_abstract, Storage
 
 
 def states_of(tree) -> dict[str, Storage]:
@@ -26,6 +26,12 @@ def states_of(tree) -> dict[str, Storage]:
             f"The StateIndex at {jtu.keystr(contents.unset[0][0])!r} has no state yet; "
             "set it before making a pure function."
         )
+    for entry in contents.states:
+        if is_abstract(entry.storage):
+            raise RuntimeError(
+                f"The state at {entry.name!r} has no value: its model is abstract "
+                f"({ABSTRACT}), and the state has only a structure. {FIX_ABSTRACT}"
+            )
     return {entry.name: entry.storage for entry in contents.states}
 
 
