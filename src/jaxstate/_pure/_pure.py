@@ -136,7 +136,8 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
 
     **Raises:**
 
-    `RuntimeError` if an index in `tree` has no state yet; `pure_fun` raises
+    `RuntimeError` if an index in `tree` has no state yet, or is abstract (built
+    with `eqx.filter_eval_shape`: a structure and no value); `pure_fun` raises
     `ValueError` if `state` does not match (names, structure, shapes, dtypes).
 
     !!! example
