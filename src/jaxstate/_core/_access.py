@@ -61,8 +61,8 @@ _PLAIN_SCAN = (
 def _not_set(storage: Storage) -> RuntimeError:
     if is_abstract(storage):
         return RuntimeError(
-            f"This state has no value: its model is abstract ({ABSTRACT}), and the "
-            f"state has only a structure. {FIX_ABSTRACT}"
+            f"This state has no value, only a structure: it is abstract, as the "
+            f"states of a model {ABSTRACT}. {FIX_ABSTRACT}"
         )
     return RuntimeError(
         "Cannot get state before it has been set: call "

@@ -178,12 +178,13 @@ def is_abstract(storage: Storage) -> bool:
 
 ABSTRACT = (
     "built with `eqx.filter_eval_shape` or `jax.eval_shape`, or first set inside "
-    "a traced function that never ran"
+    "a traced function that never ran or failed"
 )
 
 FIX_ABSTRACT = (
-    "Build the model concretely (`Model(key)`), or load a checkpoint into it: "
-    "`jaxstate.load(path, like)` (or any other loader) returns a concrete model."
+    "Build the model concretely (`Model(key)`), or load a checkpoint into it "
+    "(`jaxstate.load(path, like)`, like every loader, returns a concrete model), or "
+    "set the state."
 )
 
 
@@ -191,8 +192,8 @@ def describe_unset(storage: Storage) -> str:
     """Why an index has no state, for error messages."""
     if is_abstract(storage):
         return (
-            f" Its model is abstract ({ABSTRACT}): the state has a structure but no "
-            f"value. {FIX_ABSTRACT}"
+            f" It is abstract ({ABSTRACT}): it has a structure but no value. "
+            f"{FIX_ABSTRACT}"
         )
     if storage.refs is not None:
         return (

@@ -29,8 +29,8 @@ def states_of(tree) -> dict[str, Storage]:
     for entry in contents.states:
         if is_abstract(entry.storage):
             raise RuntimeError(
-                f"The state at {entry.name!r} has no value: its model is abstract "
-                f"({ABSTRACT}), and the state has only a structure. {FIX_ABSTRACT}"
+                f"The state at {entry.name!r} has no value, only a structure: its "
+                f"model is abstract ({ABSTRACT}). {FIX_ABSTRACT}"
             )
     return {entry.name: entry.storage for entry in contents.states}
 
