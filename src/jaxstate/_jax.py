@@ -204,29 +204,31 @@ def set_buffer(ref: Any, buf: Any) -> None:
 
 class _LazyRefImpl(_core.ArrayRefImpl):
     """A reference's buffer holder whose buffer is made when first read (by JAX
-    running a program that captured the reference, or by jaxstate)."""
+    running a program that captured the reference, or by jaxstate). Once it holds
+    one it becomes a plain `ArrayRefImpl` again, read at no extra cost."""
 
     def __init__(self, aval: Any, make: Callable[[], Any]):
         self._aval = aval
-        self._make: Callable[[], Any] | None = make
+        self._make = make
         self._lock = threading.Lock()
+
+    def _become_plain(self, buf: Any) -> None:
+        self.__dict__["_buf"] = buf
+        self.__class__ = _core.ArrayRefImpl  # pyright: ignore
 
     @property
     def _buf(self) -> Any:
-        if self._make is not None:
-            with self._lock:
-                if self._make is not None:
-                    # (Eagerly, whatever is being traced when the buffer is wanted.)
-                    with _core.set_current_trace(_core.eval_trace):
-                        self.__dict__["buf"] = self._make()
-                    self._make = None
-        return self.__dict__["buf"]
+        with self._lock:
+            if type(self) is _LazyRefImpl:
+                # (Eagerly, whatever is being traced when the buffer is wanted.)
+                with _core.set_current_trace(_core.eval_trace):
+                    self._become_plain(self._make())
+        return self.__dict__["_buf"]
 
     @_buf.setter
     def _buf(self, buf: Any) -> None:
         with self._lock:
-            self._make = None
-            self.__dict__["buf"] = buf
+            self._become_plain(buf)
 
 
 def lazy_ref(shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]) -> Any:
@@ -242,8 +244,7 @@ def lazy_ref(shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]) -> Any
 def has_buffer(ref: Any) -> bool:
     """Whether a concrete reference holds a buffer (a `lazy_ref`'s is made only
     when first needed)."""
-    holder = getattr(ref, "_refs", None)
-    return not isinstance(holder, _LazyRefImpl) or holder._make is None
+    return not isinstance(getattr(ref, "_refs", None), _LazyRefImpl)
 
 
 def buffer_holder(ref: Any) -> Any:
