@@ -151,10 +151,10 @@ def _layer_axis(storage: Storage, length: int | None, outside, sides) -> int:
     """The batch axis of `storage` that is the layers'.
 
     The vmaps around the scan (`outside`: their sizes, outermost first) map the
-    state's outermost batch axes but the layers' (the stand-in's axes, in the
-    body): those before the layer axis (an ensemble of stacks vmapped over its
-    members around the scan), then those after it (a KV cache's sequences). The
-    axis is the one these sizes allow; where several do, the arrays in `xs` tell
+    state's other batch axes (the stand-in's, in the body), outermost first:
+    those before the layer axis (an ensemble of stacks vmapped over its members
+    around the scan), then those after it (a KV cache's sequences). The axis is
+    the one these sizes allow; where several do, the arrays in `xs` tell
     (`sides`, a thunk)."""
     shape, n = storage.batch_shape, len(storage.batch_shape)
 
