@@ -15,6 +15,7 @@ import inspect
 import itertools
 import operator
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -120,6 +121,17 @@ def batch_info(trace: Any, x: Any) -> tuple[Any, int | None]:
     return trace.to_batch_info(x)
 
 
+def is_ad_trace(trace: Any) -> bool:
+    """Whether `trace` is one of `grad`'s or `jvp`'s (a `JVPTrace` or a
+    `LinearizeTrace`)."""
+    return isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace))
+
+
+def primal(trace: Any, x: Any) -> Any:
+    """The primal value of `x` as seen by `grad`'s or `jvp`'s trace `trace`."""
+    return trace.to_primal_tangent_pair(x)[0]
+
+
 def traced_for(trace: Any) -> str | None:
     """What a tracing trace was made for: `"jit"`, `"while_cond"`, `"scan"`, ...
     (JAX records it in the debug info of the jaxpr being built); `"shard_map"` for
@@ -188,6 +200,51 @@ def buffer(ref: Any) -> Any:
 def set_buffer(ref: Any, buf: Any) -> None:
     """Makes a concrete reference hold `buf` (of the same type)."""
     ref._refs._buf = buf
+
+
+class _LazyRefImpl(_core.ArrayRefImpl):
+    """A reference's buffer holder whose buffer is made when first read (by JAX
+    running a program that captured the reference, or by jaxstate). Once it holds
+    one it becomes a plain `ArrayRefImpl` again, read at no extra cost."""
+
+    def __init__(self, aval: Any, make: Callable[[], Any]):
+        self._aval = aval
+        self._make = make
+        self._lock = threading.Lock()
+
+    def _become_plain(self, buf: Any) -> None:
+        self.__dict__["_buf"] = buf
+        self.__class__ = _core.ArrayRefImpl  # pyright: ignore
+
+    @property
+    def _buf(self) -> Any:
+        with self._lock:
+            if type(self) is _LazyRefImpl:
+                # (Eagerly, whatever is being traced when the buffer is wanted.)
+                with _core.set_current_trace(_core.eval_trace):
+                    self._become_plain(self._make())
+        return self.__dict__["_buf"]
+
+    @_buf.setter
+    def _buf(self, buf: Any) -> None:
+        with self._lock:
+            self._become_plain(buf)
+
+
+def lazy_ref(shape: tuple[int, ...], dtype: Any, make: Callable[[], Any]) -> Any:
+    """A concrete `jax.Ref` (`kind="no_grad_no_remat"`) of `shape` and `dtype` whose
+    buffer, `make()`, is made only when first needed: a trace (`jax.eval_shape`)
+    uses its type only. Assumed: JAX reads a reference's buffer through
+    `ref._refs._buf` (when running a program that captured it, as jaxstate does),
+    and nothing else of it while tracing."""
+    aval = _AbstractRef(_core.ShapedArray(shape, dtype), kind="no_grad_no_remat")
+    return _core.Ref(aval, _LazyRefImpl(aval, make))
+
+
+def has_buffer(ref: Any) -> bool:
+    """Whether a concrete reference holds a buffer (a `lazy_ref`'s is made only
+    when first needed)."""
+    return not isinstance(getattr(ref, "_refs", None), _LazyRefImpl)
 
 
 def buffer_holder(ref: Any) -> Any:

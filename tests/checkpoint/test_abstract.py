@@ -3,6 +3,8 @@
 with a structure and no value). The result is a concrete model whose indices hold
 new states with the loaded values; the abstract model is left as it was."""
 
+import io
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,11 +12,14 @@ import numpy as np
 import pytest
 
 import jaxstate
+from jaxstate import _jax
 from tests.helpers import (
     assert_same_state,
     Decoder,
     LinearBatchNorm,
     ROUND_TRIPS,
+    run_python,
+    save_with_equinox,
     snapshot,
 )
 
@@ -147,3 +152,127 @@ def test_an_abstract_model_must_be_loaded_whole(tmp_path):
         with pytest.raises(KeyError, match="built abstractly, .* have no value"):
             load()
         assert not any(i.is_set for i in _indices(like))
+
+
+#
+# An abstract model has no values: building one allocates no state memory, and
+# every function that needs values says the model is abstract.
+#
+
+_MEMORY_PROBE = """
+import sys
+import equinox as eqx, jax, jax.numpy as jnp, jaxstate
+
+n = int(sys.argv[1])
+
+
+class Model(eqx.Module):
+    weight: jax.Array
+    cache: jaxstate.StateIndex
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (n // 4,))
+        self.cache = jaxstate.StateIndex(init=jnp.zeros(n // 4))
+
+
+def live():
+    return sum(a.nbytes for a in jax.live_arrays())
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        import os
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+jnp.zeros(1).block_until_ready()
+before = live(), rss()
+like = eqx.filter_eval_shape(Model, jax.random.key(0))
+print(live() - before[0], rss() - before[1])
+# The same trace, reused by `jax.jit`: its program makes the memory and sets it.
+jax.eval_shape(Model, jax.random.key(0))
+model = jax.jit(Model)(jax.random.key(0))
+assert float(jnp.sum(model.cache.unsafe_get())) == 0.0
+print(live() - before[0])
+"""
+
+
+@pytest.mark.slow
+def test_an_abstract_build_allocates_no_state_memory():
+    nbytes = 256 * 2**20
+    out = run_python("-c", _MEMORY_PROBE, str(nbytes), timeout=300)
+    abstract_live, abstract_rss, concrete_live = map(int, out.stdout.split())
+    assert abstract_live < 1024, abstract_live  # the flag of each state: a byte
+    # (What tracing itself costs; a concrete model grows by `2 * nbytes`.)
+    assert abstract_rss < 0.25 * nbytes, f"RSS grew by {abstract_rss / 2**20} MiB"
+    assert concrete_live >= 2 * nbytes  # the measurement sees a concrete one
+
+
+# (Never written: each call that would write it raises first.)
+_FILE = "/nonexistent/jaxstate-abstract-model"
+
+
+def _needs_values():
+    """Every function that needs a model's values, on an abstract model."""
+
+    def unsafe_set(m):
+        m.norm.calls.unsafe_set(jnp.array(1))
+
+    def eqx_serialise(m):
+        save_with_equinox(io.BytesIO(), m)
+
+    def from_pure(m):
+        jaxstate.from_pure(lambda state, x: (x, state), m)
+
+    return {
+        "get_state": lambda m: jaxstate.get_state(m.norm.calls),
+        "unsafe_get": lambda m: m.norm.calls.unsafe_get(),
+        "unsafe_set": unsafe_set,
+        "KVCache.length": lambda m: m.attn.cache.length(),
+        "KVCache.reset": lambda m: m.attn.cache.reset(),
+        "BatchNorm.running_statistics": lambda m: m.norm.bn.running_statistics(),
+        "reset": lambda m: jaxstate.reset(m, ...),
+        "reset a kind": lambda m: jaxstate.reset(m, "cache"),
+        "state_dict": lambda m: jaxstate.state_dict(m),
+        "state_dict of params": lambda m: jaxstate.state_dict(m, "params"),
+        "save": lambda m: jaxstate.save(_FILE + ".npz", m),
+        "tree_serialise_leaves": lambda m: jaxstate.tree_serialise_leaves(
+            _FILE + ".eqx", m
+        ),
+        "eqx.tree_serialise_leaves": eqx_serialise,
+        "checkpoint_tree": lambda m: jaxstate.checkpoint_tree(m),
+        "to_pure": lambda m: jaxstate.to_pure(lambda x: x, m),
+        "from_pure": from_pure,
+        "device_put": lambda m: jaxstate.device_put(m, jax.devices()[0]),
+    }
+
+
+def _has_memory(model):
+    """Whether any state of `model` has memory (an abstract one's is made when a
+    program using it first runs)."""
+    refs = [r for i in _indices(model) for r in i._handle.get().refs or ()]
+    return any(_jax.has_buffer(r) for r in refs)
+
+
+@pytest.mark.parametrize("fn", list(_needs_values()))
+def test_what_needs_values_says_the_model_is_abstract(fn):
+    like = eqx.filter_eval_shape(Decoder, jax.random.key(1))
+    assert not _has_memory(like)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        _needs_values()[fn](like)
+    message = str(info.value) + str(getattr(info.value.__cause__, "__cause__", ""))
+    assert "abstract" in message and "eqx.filter_eval_shape" in message, message
+    assert "jaxstate.load(path, like)" in message, message
+    # Nothing allocated, nothing set: the model is as abstract as before.
+    assert not _has_memory(like)
+    assert not any(i.is_set for i in _indices(like))
+
+
+def test_summary_takes_an_abstract_model_and_allocates_nothing():
+    like = eqx.filter_eval_shape(Decoder, jax.random.key(1))
+    rows = {r.name: r for r in jaxstate.summary(like).rows}
+    assert rows["attn.cache.buffers[0]"].shape == (6, 2, 4)
+    assert rows["attn.cache.buffers[0]"].sharding == "-"
+    assert not _has_memory(like)
+    with pytest.raises(RuntimeError, match="abstract"):
+        like.attn.cache.length()  # still abstract

@@ -132,6 +132,51 @@ def test_batch_info_and_moving_axes():
     assert _jax.moveaxis(jnp.zeros((2, 3)), 1, 0).shape == (3, 2)
 
 
+def test_the_primal_value_under_grad_and_jvp():
+    seen = []
+
+    def f(x):
+        trace = _jax.current_trace()
+        assert _jax.is_ad_trace(trace)
+        seen.append(_jax.primal(trace, x))
+        return x * 2.0
+
+    jax.grad(f)(3.0)
+    jax.jvp(f, (4.0,), (1.0,))
+    assert [float(x) for x in seen] == [3.0, 4.0]
+    assert not _jax.is_ad_trace(_jax.current_trace())
+    jax.vmap(lambda x: seen.append(_jax.is_ad_trace(_jax.current_trace())))(jnp.ones(2))
+    assert seen[-1] is False
+
+
+def test_a_lazy_reference_is_given_its_buffer_when_a_program_runs():
+    made = []
+
+    def make():
+        made.append(1)
+        return jnp.full((3,), 2.0)
+
+    ref = _jax.lazy_ref((3,), jnp.float32, make)
+    assert _jax.typeof(ref).inner_aval == _jax.typeof(jnp.zeros(3))
+
+    def add(x):
+        ref[...] = ref[...] + x
+        return ref[...]
+
+    # Tracing uses its type only.
+    jax.eval_shape(add, 1.0)
+    jax.make_jaxpr(add)(1.0)
+    assert not made and not _jax.has_buffer(ref)
+    np.testing.assert_array_equal(jax.jit(add)(1.0), [3.0, 3.0, 3.0])
+    assert made == [1] and _jax.has_buffer(ref)
+    np.testing.assert_array_equal(_jax.buffer(ref), [3.0, 3.0, 3.0])
+    # Given a buffer before it is read, it never makes one.
+    other = _jax.lazy_ref((3,), jnp.float32, make)
+    _jax.set_buffer(other, jnp.ones(3))
+    np.testing.assert_array_equal(other[...], jnp.ones(3))
+    assert made == [1]
+
+
 def test_the_buffer_inside_a_reference():
     ref = jax.new_ref(jnp.arange(3.0))
     holder = _jax.buffer_holder(ref)

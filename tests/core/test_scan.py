@@ -287,6 +287,35 @@ def test_a_layer_in_the_body_keeps_its_states_kinds(jit_or_eager):
     assert counters.unsafe_get().tolist() == [-1, -1, -1]
 
 
+def test_zero_layers_is_lax_scan(jit_or_eager):
+    # As `lax.scan` over nothing: the carry is `init`, the outputs are empty (of
+    # the types the body gives), and nothing is read or written.
+    stack, x = _stack(0), _batch()
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def run(params, x):
+        def body(h, p):
+            out = _per_batch(eqx.combine(p, static), h)
+            return out, (out, jaxstate.get_state(p.calls))
+
+        return jaxstate.scan(body, x, params)
+
+    h, (ys, calls) = jit_or_eager(run)(params, x)
+    expected = lax.scan(lambda h, _: (h, (h, jnp.array(0))), x, None, length=0)
+    np.testing.assert_array_equal(h, x)
+    for a, b in zip((ys, calls), expected[1], strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    # Under `grad` too, and with a stack holding state only.
+    grads = eqx.filter_grad(lambda p: jnp.sum(run(p, x)[0]))(params)
+    assert all(g.shape[0] == 0 for g in jtu.tree_leaves(grads))
+    counters = eqx.filter_vmap(lambda x: jaxstate.StateIndex(init=x))(jnp.zeros(0))
+    total, _ = jit_or_eager(
+        lambda c: jaxstate.scan(lambda t, c: (t + jaxstate.get_state(c), None), 1.0, c)
+    )(counters)
+    assert float(total) == 1.0
+    assert stack.calls.unsafe_get().shape == (0,)
+
+
 def test_without_state_in_xs_it_is_lax_scan():
     xs = jnp.arange(4.0)
     out = jaxstate.scan(lambda c, x: (c + x, c * x), 1.0, xs, reverse=True, unroll=2)

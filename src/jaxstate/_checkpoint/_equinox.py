@@ -47,7 +47,14 @@ from jaxtyping import PyTree
 from .._core._buffers import snapshot
 from .._core._checks import aval_text, check_outside
 from .._core._index import StateIndex, with_storage
-from .._core._storage import holding_like, is_set, Storage
+from .._core._storage import (
+    ABSTRACT,
+    FIX_ABSTRACT,
+    holding_like,
+    is_abstract,
+    is_set,
+    Storage,
+)
 from ._files import atomic_write
 from ._load import Staged
 from ._reset import reset_value
@@ -280,6 +287,12 @@ def _skip(f, header: dict) -> None:
 _NOT_SAVED = {"state": None, "persistent": False}
 
 
+_ABSTRACT_MODEL = (
+    "`eqx.tree_serialise_leaves` with jaxstate's filter spec needs values, but "
+    f"this tree is abstract ({ABSTRACT}): {{what}}. {FIX_ABSTRACT}"
+)
+
+
 def _write_state(writer: _Writer, f, index: StateIndex) -> None:
     storage = index._handle.get()
     sid = storage.id
@@ -294,6 +307,10 @@ def _write_state(writer: _Writer, f, index: StateIndex) -> None:
     if writer.values is not None:
         values = writer.values.get(sid)
     else:
+        if is_abstract(storage):
+            raise ValueError(
+                _ABSTRACT_MODEL.format(what="a state has a structure but no value")
+            )
         values = snapshot([storage])[0] if is_set(storage) else None
     if values is None:
         _header(f, {"state": None})
@@ -411,6 +428,11 @@ def serialise_filter_spec(f: Any, x: Any) -> None:
         _write_state(_records_of("write", f, _Writer), f, x)
     elif isinstance(x, (jax.Array, np.ndarray)):
         _write_array(f, x)
+    elif isinstance(x, jax.ShapeDtypeStruct):
+        # (Equinox's own spec writes nothing for it.)
+        raise ValueError(
+            _ABSTRACT_MODEL.format(what="an array is a `jax.ShapeDtypeStruct`")
+        )
     else:
         eqx.default_serialise_filter_spec(f, x)
 

@@ -75,7 +75,8 @@ def reset(tree: PyTree, filter: Any) -> None:
 
     `ValueError` for a filter that selects no state (the arrays, `"params"`, are
     not reset), names an unknown kind, or a reset value that does not fit its
-    state's structure. Nothing is reset then.
+    state's structure, or for an abstract tree (built with
+    `eqx.filter_eval_shape`), whose states have no value. Nothing is reset then.
 
     !!! example
 

@@ -61,7 +61,8 @@ def state_dict(
     `ValueError` for a filter that selects nothing (naming the kinds the tree
     holds) or names an unknown kind, for a `per_layer` path that is not a stack,
     an unknown `layout`, or, with `layout="torch"`, a BatchNorm in mode "batch" or
-    "ema" (whose statistics PyTorch's do not hold).
+    "ema" (whose statistics PyTorch's do not hold); for an abstract tree (built
+    with `eqx.filter_eval_shape`), which has no values.
 
     !!! example
 

@@ -7,6 +7,7 @@ from typing import Any
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
+from .. import _jax
 from .._core._kinds import matches, PARAMS
 from ._values import nbytes
 from ._walk import ArrayEntry, name_of, walk
@@ -197,7 +198,8 @@ def summary(tree: PyTree, filter: Any = ...) -> Summary:
                     shape,
                     str(ref.dtype),
                     nbytes(shape, ref.dtype),
-                    _sharding(ref.sharding),
+                    # (An abstract model's state has no memory to ask.)
+                    _sharding(ref.sharding if _jax.has_buffer(ref) else None),
                     entry.persistent,
                 )
             )

@@ -21,7 +21,7 @@ import jax.tree_util as jtu
 from .._core._buffers import snapshot
 from .._core._index import StateIndex
 from .._core._kinds import check_filter, matches, PARAMS
-from .._core._storage import is_set, Storage
+from .._core._storage import ABSTRACT, FIX_ABSTRACT, is_abstract, is_set, Storage
 
 
 def name_of(path) -> str:
@@ -103,6 +103,8 @@ class Contents:
     entries: list[Entry]
     unset: list[tuple[tuple, Storage]]
     left_out: list[Entry] = dataclasses.field(default_factory=list)
+    # In a walk for reading: the entries of an abstract model, which have no value.
+    abstract: list[Entry] = dataclasses.field(default_factory=list)
 
     @property
     def arrays(self) -> list[ArrayEntry]:
@@ -119,6 +121,13 @@ class Contents:
         check_filter(filter, fn)
         chosen = [e for e in self.entries if matches(filter, e.name, e.kind)]
         kept = [e for e in chosen if e.persistent or not saved]
+        abstract = [
+            e
+            for e in self.abstract
+            if matches(filter, e.name, e.kind) and (e.persistent or not saved)
+        ]
+        if abstract or (self.abstract and not kept):
+            raise ValueError(_abstract_error(fn, abstract or self.abstract))
         if filter is not ... and not kept:
             if chosen:
                 names = [e.name for e in chosen]
@@ -134,7 +143,7 @@ class Contents:
             )
         ids = {id(e) for e in kept}
         left_out = [e for e in self.entries if id(e) not in ids]
-        return Contents(kept, self.unset, self.left_out + left_out)
+        return Contents(kept, self.unset, self.left_out + left_out, self.abstract)
 
     def read(self) -> dict[int, list]:
         """The stacked leaves of every state, by storage id: copies, read together
@@ -154,6 +163,25 @@ class Contents:
                 leaves = values[entry.storage.id]
                 out.update(zip(entry.names(), leaves, strict=True))
         return out
+
+
+def _abstract_error(fn: str, entries: list[Entry]) -> str:
+    def some(names: list[str]) -> str:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return ", ".join(map(repr, names[:3])) + more
+
+    arrays = [e.name for e in entries if isinstance(e, ArrayEntry)]
+    states = [e.name for e in entries if isinstance(e, StateEntry)]
+    what = []
+    if arrays:
+        what.append(f"its arrays ({some(arrays)}) are `jax.ShapeDtypeStruct`s")
+    if states:
+        what.append(f"its states ({some(states)}) have a structure but no value")
+    return (
+        f"`{fn}` needs values, but this tree is abstract ({ABSTRACT}): "
+        f"{' and '.join(what)}. {FIX_ABSTRACT} (`jaxstate.summary` and "
+        "`jaxstate.checkpoint_tree(tree, abstract=True)` take it as it is.)"
+    )
 
 
 def _kinds_held(entries: list[Entry]) -> str:
@@ -186,6 +214,7 @@ def walk(
     entries: list[Entry] = []
     seen: dict[int, StateEntry | None] = {}
     unset: list[tuple[tuple, Storage]] = []
+    without: list[Entry] = []  # (for reading) an abstract model's entries
     leaves = jtu.tree_flatten_with_path(tree, is_leaf=with_indices(is_leaf))[0]
     for path, leaf in leaves:
         path = tuple(path)
@@ -200,6 +229,9 @@ def walk(
             if not usable:
                 seen[storage.id] = None
                 unset.append((path, storage))
+                if not abstract and is_abstract(storage):
+                    subs = leaf_paths(storage.treedef)
+                    without.append(StateEntry(storage, leaf, path, [], subs))
                 continue
             entry = StateEntry(storage, leaf, path, [], leaf_paths(storage.treedef))
             seen[storage.id] = entry
@@ -208,4 +240,6 @@ def walk(
             abstract and isinstance(leaf, jax.ShapeDtypeStruct)
         ):
             entries.append(ArrayEntry(name_of(path), path, leaf))
-    return Contents(entries, unset)
+        elif isinstance(leaf, jax.ShapeDtypeStruct):
+            without.append(ArrayEntry(name_of(path), path, leaf))
+    return Contents(entries, unset, abstract=without)

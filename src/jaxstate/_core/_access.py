@@ -19,7 +19,16 @@ from ._context import note_reached, resolve
 from ._create import create
 from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
-from ._storage import describe_unset, Handle, is_set, Key, Storage
+from ._storage import (
+    ABSTRACT,
+    describe_unset,
+    FIX_ABSTRACT,
+    Handle,
+    is_abstract,
+    is_set,
+    Key,
+    Storage,
+)
 from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
 
 
@@ -44,6 +53,11 @@ _PLAIN_SCAN = (
 
 
 def _not_set(storage: Storage) -> RuntimeError:
+    if is_abstract(storage):
+        return RuntimeError(
+            f"This state has no value, only a structure: it is abstract, as the "
+            f"states of a model {ABSTRACT}. {FIX_ABSTRACT}"
+        )
     return RuntimeError(
         "Cannot get state before it has been set: call "
         "`jaxstate.set_state(index, value)` first, or create the index with "
@@ -141,6 +155,9 @@ def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> An
         or refs is None
         or at_top(storage)
         or any(_jax.is_explicit(_stored_aval(ref).sharding) for ref in refs)
+        # A layer's slice of an ensemble of stacks built members first: the rows
+        # would be indexed around the layer axis, which JAX's indexing moves.
+        or any(isinstance(ref, SliceRef) and not ref.leading for ref in refs)
     ):
         write(handle, state, fn)
         return state

@@ -4,6 +4,8 @@ seen to reach the set). See README.md beside this file, and docs/design.md, "Fir
 set inside a trace".
 """
 
+import functools
+
 import jax.numpy as jnp
 
 from .. import _jax
@@ -84,10 +86,17 @@ def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
             )
         return False
     else:
-        with _jax.set_current_trace(_jax.eval_trace()):
-            refs = tuple(
-                new_ref(jnp.zeros(batch_shape + a.shape, a.dtype)) for a in avals
+        # The buffers are made when a program using them first runs: an abstract
+        # trace (`eqx.filter_eval_shape(Model)`) allocates nothing.
+        refs = tuple(
+            _jax.lazy_ref(
+                batch_shape + a.shape,
+                a.dtype,
+                functools.partial(jnp.zeros, batch_shape + a.shape, a.dtype),
             )
+            for a in avals
+        )
+        with _jax.set_current_trace(_jax.eval_trace()):
             flag = new_ref(jnp.array(False))
     pending = Pending(flag, root_trace())
     with critical(), exclusive([target]):

@@ -7,9 +7,9 @@ from typing import Any
 
 import jax
 import jax.lax as lax
+from jax.sharding import PartitionSpec as P
 
 from .. import _jax
-from ._vmap import respec
 
 
 class LocalRef:
@@ -71,24 +71,45 @@ def at_top(storage) -> bool:
 
 class SliceRef:
     """Behaves like a `jax.Ref` for `ref[...]` and `ref[...] = value` (and
-    `ref[idx]` with a tuple `idx`), on one slice of a reference: `ref[indices]`,
-    the leading axes indexed by `indices` (traced integers). `jaxstate.scan`
-    gives each iteration's body its layer's slice of a stacked state with these
-    (`_scan.py`)."""
+    `ref[idx]` with a tuple `idx`), on one slice of a reference: entry `index`
+    (a traced integer) of its axis `axis`, that axis gone. `jaxstate.scan` gives
+    each iteration's body its layer's slice of a stacked state with these
+    (`_scan.py`): the layer axis is the first, or comes after the axes of the
+    vmaps around the scan (an ensemble of stacks, members first)."""
 
-    __slots__ = ("ref", "indices")
+    __slots__ = ("ref", "select")
 
-    def __init__(self, ref: Any, index: Any):
+    def __init__(self, ref: Any, index: Any, axis: int = 0):
+        # `select`: per leading axis of `ref`, the entry taken, or `None` (kept).
         if isinstance(ref, SliceRef):  # a slice of a slice: one indexing
-            ref, indices = ref.ref, (*ref.indices, index)
+            ref, select = ref.ref, list(ref.select)
         else:
-            indices = (index,)
+            select = []
+        # Where the `axis`-th kept axis is.
+        at, seen = 0, 0
+        while at < len(select) and (select[at] is not None or seen < axis):
+            seen += select[at] is None
+            at += 1
+        at += axis - seen
+        select += [None] * (at + 1 - len(select))
+        select[at] = index
         self.ref = ref  # a `jax.Ref`, or a `LocalRef` inside `jaxstate.jit`
-        self.indices = indices
+        self.select = tuple(select)
+
+    @property
+    def _taken(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.select) if s is not None)
+
+    @property
+    def leading(self) -> bool:
+        """Whether the axes taken are the first ones (then `ref[idx]` takes any
+        index, integer arrays included)."""
+        return all(s is not None for s in self.select)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.ref.shape[len(self.indices) :])
+        taken = self._taken
+        return tuple(n for i, n in enumerate(self.ref.shape) if i not in taken)
 
     @property
     def dtype(self) -> Any:
@@ -99,19 +120,28 @@ class SliceRef:
         """The type of the slice (with its sharding, under an explicit mesh)."""
         ref = self.ref
         whole = ref.aval if isinstance(ref, LocalRef) else _jax.typeof(ref).inner_aval
-        k = len(self.indices)
-        return respec(whole, whole.shape[k:], k, 0)
+        taken = self._taken
+        spec = tuple(whole.sharding.spec)
+        spec = spec + (None,) * (whole.ndim - len(spec))
+        spec = tuple(s for i, s in enumerate(spec) if i not in taken)
+        return whole.update(
+            shape=self.shape, sharding=whole.sharding.update(spec=P(*spec))
+        )
 
     def _within(self, idx) -> tuple:
         # Slices of one entry, not integers: JAX indexes a sharded reference (an
         # explicit mesh's) by slices only. They leave a unit axis each.
-        outer = tuple(_jax.dynamic_slice(i, 1) for i in self.indices)
-        return outer if idx is Ellipsis else (*outer, *idx)
+        rest = iter(() if idx is Ellipsis else idx)
+        out = [
+            next(rest, slice(None)) if s is None else _jax.dynamic_slice(s, 1)
+            for s in self.select
+        ]
+        return (*out, *rest)
 
     def __getitem__(self, idx):
         out = self.ref[self._within(idx)]
-        return lax.squeeze(out, range(len(self.indices)))
+        return lax.squeeze(out, self._taken)
 
     def __setitem__(self, idx, value) -> None:
-        value = lax.expand_dims(value, range(len(self.indices)))
+        value = lax.expand_dims(value, self._taken)
         self.ref[self._within(idx)] = value

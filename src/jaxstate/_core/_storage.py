@@ -163,8 +163,38 @@ def is_set(storage: Storage) -> bool:
     return False
 
 
+def is_abstract(storage: Storage) -> bool:
+    """Whether `storage` has a structure but no value, and never had memory: it was
+    first set inside a trace that never ran, as every state of a model built with
+    `eqx.filter_eval_shape` or `jax.eval_shape` (whose memory is made only when a
+    program using it runs, `_create.py`)."""
+    refs = storage.refs
+    return (
+        refs is not None
+        and not is_set(storage)
+        and not any(_jax.has_buffer(r) for r in refs)
+    )
+
+
+ABSTRACT = (
+    "built with `eqx.filter_eval_shape` or `jax.eval_shape`, or first set inside "
+    "a traced function that never ran or failed"
+)
+
+FIX_ABSTRACT = (
+    "Build the model concretely (`Model(key)`), or load a checkpoint into it "
+    "(`jaxstate.load(path, like)`, like every loader, returns a concrete model), or "
+    "set the state."
+)
+
+
 def describe_unset(storage: Storage) -> str:
     """Why an index has no state, for error messages."""
+    if is_abstract(storage):
+        return (
+            f" It is abstract ({ABSTRACT}): it has a structure but no value. "
+            f"{FIX_ABSTRACT}"
+        )
     if storage.refs is not None:
         return (
             " It was set only in a trace that has not run (a branch not taken, "

@@ -136,7 +136,7 @@ def _read_abstract_eval(full, *like, batch_shape, n_state):
 
 def _read_impl(full, *like, batch_shape, n_state):
     _check_levels(n_state, batch_shape, "get_state")
-    return full
+    return jnp.asarray(full)
 
 
 def _read_batcher(axis_data, vals, dims, *, batch_shape, n_state):
@@ -189,6 +189,10 @@ def _write_abstract_eval(value, *, batch_shape, levels):
 
 def _write_impl(value, *, batch_shape, levels):
     _check_levels(len(levels), batch_shape, "set_state")
+    # A constant (`jnp.array(False)`) is a literal in a jaxpr, and JAX evaluating
+    # one (the part of a scan body `grad` hoists out, eagerly) passes it as a
+    # Python scalar.
+    value = jnp.asarray(value)
     n_batched = sum(batched for _, batched in levels)
     member = value.shape[n_batched:]
     # A unit axis for each stored batch axis the value is not batched along.

@@ -15,7 +15,7 @@ from .._checkpoint._walk import leaf_paths, walk
 from .._core._buffers import commit, snapshot
 from .._core._checks import check_outside
 from .._core._context import redirected
-from .._core._storage import Storage
+from .._core._storage import ABSTRACT, FIX_ABSTRACT, is_abstract, Storage
 
 
 def states_of(tree) -> dict[str, Storage]:
@@ -26,6 +26,12 @@ def states_of(tree) -> dict[str, Storage]:
             f"The StateIndex at {jtu.keystr(contents.unset[0][0])!r} has no state yet: "
             "set it first."
         )
+    for entry in contents.states:
+        if is_abstract(entry.storage):
+            raise RuntimeError(
+                f"The state at {entry.name!r} has no value, only a structure: its "
+                f"model is abstract ({ABSTRACT}). {FIX_ABSTRACT}"
+            )
     return {entry.name: entry.storage for entry in contents.states}
 
 
@@ -130,7 +136,8 @@ def to_pure(fun: Callable, tree: PyTree) -> tuple[Callable, dict[str, PyTree]]:
 
     **Raises:**
 
-    `RuntimeError` if an index in `tree` has no state yet; `pure_fun` raises
+    `RuntimeError` if an index in `tree` has no state yet, or is abstract (built
+    with `eqx.filter_eval_shape`: a structure and no value); `pure_fun` raises
     `ValueError` if `state` does not match (names, structure, shapes, dtypes).
 
     !!! example
