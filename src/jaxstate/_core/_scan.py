@@ -74,10 +74,8 @@ def _nothing(storage: Storage, axis: int) -> Storage:
 
 # The axes of an ensemble of stacks must be in the order they are used in.
 _AXIS_ORDER = (
-    " Build an ensemble of stacks with its axes in the order they are used in: "
-    "members first (`eqx.filter_vmap(eqx.filter_vmap(Layer))` over keys of shape "
-    "`(members, layers)`) to vmap over the members around `jaxstate.scan`, layers "
-    "first (keys of shape `(layers, members)`) to vmap over them inside its body."
+    " Build ensembles members first to vmap around the scan, layers first inside "
+    "it. See docs/misuse.md#scan-axis-order."
 )
 
 _UNKNOWN = object()
@@ -179,24 +177,16 @@ def _layer_axis(storage: Storage, length: int | None, outside, sides) -> int:
         ]
         if len(axes) > 1:
             raise RuntimeError(
-                f"`jaxstate.scan` under vmaps of sizes {tuple(outside)} cannot tell "
-                f"which batch axis of a state in `xs` (of {storage.describe()}) is "
-                f"the layers' (one of {', '.join(map(str, axes))}): the arrays in "
-                "`xs` do not show which of those vmaps map the layers' members (in "
-                "`xs` there are none, or they come from a compiled function or "
-                "another scan inside the vmaps). Call `jaxstate.scan` right under "
-                "the vmaps over the members, with the layers' arrays in `xs`."
-                + _AXIS_ORDER
+                f"`jaxstate.scan` cannot tell which axis ({axes}) of a state in `xs` "
+                "is the layers': call it right under the vmaps, with the layers' "
+                "arrays in `xs`." + _AXIS_ORDER
             )
     if not axes:
         where = f" under vmaps of sizes {tuple(outside)}" if outside else ""
         raise RuntimeError(
-            f"`jaxstate.scan` runs {length} layers{where}, but an index in `xs` "
-            f"holds state of {storage.describe()}, not one slice per layer along "
-            "its first axis (or, under vmaps over an ensemble's members, the axis "
-            "after theirs). Put only layers built by one `eqx.filter_vmap` in "
-            "`xs`; pass state shared by the layers in `init` or close over it."
-            + (_AXIS_ORDER if n > 1 else "")
+            f"`jaxstate.scan` runs {length} layers{where}, but a state in `xs` is "
+            f"{storage.describe()}, with no layer axis there: pass state shared by "
+            "the layers in `init` or close over it." + (_AXIS_ORDER if n > 1 else "")
         )
     return axes[0]
 
