@@ -49,10 +49,53 @@ def replacement(current: jax.Array, value) -> jax.Array:
     value = jnp.asarray(value)
     if _jax.typeof(value).weak_type:
         value = lax.convert_element_type(value, value.dtype)
-    if not current.committed and not getattr(value, "committed", False):
+    if not current.committed and not value.committed:
         # An uncommitted state stays so (see `new_ref`).
-        return jax.device_put(value, may_alias=False)
-    return jax.device_put(value, sharding, may_alias=False)
+        return fresh_copy(value)
+    if not value.sharding.is_equivalent_to(sharding, value.ndim):
+        # Moved: the new buffers are the value's own.
+        return jax.device_put(value, sharding, may_alias=False)
+    # Committed (or relabelled) where it is, sharing its buffers: then copied.
+    return fresh_copy(jax.device_put(value, sharding))
+
+
+def _identity(x):
+    return x
+
+
+# XLA gives each output of a program a buffer of its own unless an input is
+# donated: this program copies.
+_copy_program = jax.jit(_identity)
+
+
+def fresh_copy(x: jax.Array) -> jax.Array:
+    """`x` in new buffers, placed (and committed or not) as `x` is.
+
+    On the CPU, a compiled copy: XLA:CPU runs a program this cheap on the calling
+    thread once its input is ready (in a host callback too), where it hands every
+    `jax.device_put` copy to its thread pool, one thread per core. Programs blocked
+    in host callbacks can hold all of those threads, and a callback that then
+    waited for such a copy (`float(get_state(index))`) waited for ever.
+    """
+    devices = x.devices()
+    default = _jax.default_device()
+    if (
+        all(d.platform == "cpu" for d in devices)
+        and x.sharding.memory_kind in (None, "device")
+        and not _jax.jit_disabled()
+        # (JAX sets the CPU as the default device while a host callback runs.)
+        and (x.committed or default is None or default in devices)
+    ):
+        out = _copy_program(x)
+        if x.committed and out.sharding != x.sharding:
+            # The same layout spelled another way (`P()` comes back as
+            # `P(None,)`): relabelled, not moved.
+            out = jax.device_put(out, x.sharding)
+        return out
+    # An accelerator's memory; host memory; `jax.disable_jit()`, under which the
+    # program would hand back `x` itself; another default device, to which the
+    # program would move an uncommitted `x`.
+    return jax.device_put(x, may_alias=False)
 
 
 _LEAKED = (
@@ -122,4 +165,4 @@ def _copy(storage, ref) -> jax.Array:
         return jnp.copy(buf)
     # (Not `jnp.copy`: on an uncommitted array it looks up JAX's default device,
     # under a lock that a finaliser reading state could already hold.)
-    return jax.device_put(buf, may_alias=False)
+    return fresh_copy(buf)
