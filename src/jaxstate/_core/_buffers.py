@@ -7,6 +7,7 @@ outside transforms, `unsafe_set`, every load, `from_pure`) is a `commit`. Both w
 on any object with a storage's `id`, `refs`, `real` and `pending` (`_storage.py`).
 """
 
+import sys
 from typing import Any
 
 import jax
@@ -83,6 +84,7 @@ def fresh_copy(x: jax.Array) -> jax.Array:
         all(d.platform == "cpu" for d in devices)
         and x.sharding.memory_kind in (None, "device")
         and not _jax.jit_disabled()
+        and not sys.is_finalizing()
         # (JAX sets the CPU as the default device while a host callback runs.)
         and (x.committed or default is None or default in devices)
     ):
@@ -93,8 +95,10 @@ def fresh_copy(x: jax.Array) -> jax.Array:
             out = jax.device_put(out, x.sharding)
         return out
     # An accelerator's memory; host memory; `jax.disable_jit()`, under which the
-    # program would hand back `x` itself; another default device, to which the
-    # program would move an uncommitted `x`.
+    # program would hand back `x` itself; a finaliser run at exit, after JAX let go
+    # of its backends (compiling would start them again, and hang starting a
+    # thread); another default device, to which the program would move an
+    # uncommitted `x`.
     return jax.device_put(x, may_alias=False)
 
 
