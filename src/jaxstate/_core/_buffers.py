@@ -15,7 +15,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from .. import _jax
-from ._lock import critical, exclusive
+from ._lock import critical, exclusive, reading
 
 
 def new_ref(value, *, copy: bool = True) -> jax.Ref:
@@ -141,9 +141,15 @@ def commit(items: list[tuple[Any, list]]) -> None:
 def snapshot(storages: list) -> list[list[jax.Array]]:
     """The stacked values of several (set) states, consistent with each other: no
     `jaxstate.jit` call commits between reading one and the next. Copies, since
-    later calls donate the stored buffers."""
-    with exclusive(storages):
-        return [[_copy(s, r) for r in s.refs or ()] for s in storages]
+    later calls donate the stored buffers; made without jaxstate's lock, which is
+    never held while a program runs (docs/design.md, "Threads")."""
+
+    def grab():
+        return [[_current(s, r) for r in s.refs or ()] for s in storages]
+
+    with reading(storages, grab) as grabbed:
+        pairs = zip(storages, grabbed, strict=True)
+        return [[_copy(s, x) for x in xs] for s, xs in pairs]
 
 
 _DELETED = (
@@ -159,10 +165,14 @@ _DELETED = (
 )
 
 
-def _copy(storage, ref) -> jax.Array:
-    if storage.real is not None:  # a stand-in (see `commit`)
-        return ref[...]
-    buf = _jax.buffer(ref)
+def _current(storage, ref) -> Any:
+    # A stand-in's reference is read as it is (see `commit`).
+    return ref if storage.real is not None else _jax.buffer(ref)
+
+
+def _copy(storage, buf) -> jax.Array:
+    if storage.real is not None:  # a stand-in's reference
+        return buf[...]
     if buf.is_deleted():
         raise RuntimeError(_DELETED)
     if not buf.is_fully_addressable:
