@@ -53,27 +53,32 @@ def _wait_free(ids: Iterable[int], nested: bool, readers: bool = False) -> None:
     me = _get_ident()
     while True:
         owners = [_busy[i] for i in ids if i in _busy]
-        if readers:
-            owners += [t for i in ids if i in _readers for t in _readers[i]]
-        if not owners:
+        copying = (
+            [t for i in ids if i in _readers for t in _readers[i]] if readers else []
+        )
+        if not owners and not copying:
             return
         # A thread Python did not start is XLA's, running a host callback of a
         # call: most likely the very call holding the state, which cannot finish
         # before the callback does. Waiting would deadlock (a hostile test found
-        # it), so it is refused as the same thread is.
-        if me in owners or isinstance(threading.current_thread(), _DummyThread):
+        # it), so it is refused as the same thread is. (A copy in progress ends
+        # without waiting for anything: any thread may wait for that.)
+        if me in owners or (
+            owners and isinstance(threading.current_thread(), _DummyThread)
+        ):
             raise RuntimeError(
                 "A state used by a running `jaxstate.jit` call was reached from "
                 "inside that call (the same thread, or a host callback such as "
                 "`jax.debug.callback`). Read or write it outside the compiled "
                 "function, or pass it in and return what you need."
             )
-        if nested:
-            # Waiting would release the lock under the enclosing section.
+        if nested or me in copying:
+            # Waiting would release the lock under the enclosing section, or wait
+            # for this very thread's copy.
             raise RuntimeError(
                 "State was used from a finaliser (`__del__`, a weakref callback) "
-                "while a `jaxstate.jit` call of another thread holds it. Do not read "
-                "or write state in finalisers."
+                "while it was in use (by a `jaxstate.jit` call of another thread, "
+                "or a read of this one). Do not read or write state in finalisers."
             )
         _waiting += 1
         _holder = None
@@ -106,28 +111,26 @@ def reading(storages: list, grab: Callable[[], Any]) -> Iterator[Any]:
     `grab` took, and on the CPU a copy whose input is ready runs there and then.
     (A thread that holds the lock already, a finaliser run inside a section, does
     it all under it.)"""
-    global _holder
     ids = [s.id for s in storages]
     me = _get_ident()
-    if _holder == me:
+    if not _acquire(me):
         if _busy:
             _wait_free(ids, True)
         yield grab()
         return
-    with _lock:
-        _holder = me
-        try:
-            if _busy:
-                _wait_free(ids, False)
-            grabbed = grab()
-            for i in ids:
-                _readers.setdefault(i, []).append(me)
-        finally:
-            _holder = None
+    try:
+        if _busy:
+            _wait_free(ids, False)
+        grabbed = grab()
+        for i in ids:
+            _readers.setdefault(i, []).append(me)
+    finally:
+        _release(True)
     try:
         yield grabbed
     finally:
-        with _lock:
+        acquired = _acquire(me)
+        try:
             for i in ids:
                 threads = _readers[i]
                 threads.remove(me)
@@ -135,6 +138,8 @@ def reading(storages: list, grab: Callable[[], Any]) -> Iterator[Any]:
                     del _readers[i]
             if _waiting:
                 _cond.notify_all()
+        finally:
+            _release(acquired)
 
 
 def take(ids: list[int]) -> bool:
