@@ -415,6 +415,12 @@ def jit_disabled() -> bool:
     return bool(_config.disable_jit.value)
 
 
+def default_device() -> Any:
+    """The device `jax.default_device(...)` (or `jax_default_device`) sets for this
+    thread, or `None`."""
+    return _config.default_device.value
+
+
 def hide_frames_of(path: str) -> None:
     """Leaves the frames of files under `path` out of the tracebacks JAX filters
     (as JAX and Equinox do for their own), and out of the frames `eqx.error_if`

@@ -3,6 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import pytest
 
 import jaxstate
@@ -89,13 +90,22 @@ def test_equinox_inference_mode_toggles_indices():
     assert frozen(2.0) == 6.0
 
 
-def test_plain_bool_flag_through_jax_jit_is_a_clear_error():
-    frozen = eqx.nn.inference_mode(Scale())  # stores a plain Python bool leaf
+def test_equinox_inference_mode_keeps_flags_out_of_the_leaves():
+    # Equinox's switch puts a Python bool in; the flag's holder keeps it a flag, so
+    # plain `jax.jit` has nothing to trace, as after `tree_inference`.
+    model = Scale()
+    frozen = eqx.nn.inference_mode(model)
+    assert jtu.tree_structure(frozen) == jtu.tree_structure(
+        jaxstate.tree_inference(model, True)
+    )
+    assert jax.jit(lambda m: m(2.0))(frozen) == 2.0
+    assert jaxstate.jit(lambda m: m(2.0))(frozen) == 2.0
+
+
+def test_an_array_as_the_flag_through_jax_jit_is_a_clear_error():
+    frozen = eqx.tree_at(lambda m: m.factor.inference, Scale(), jnp.array(True))
     with pytest.raises(RuntimeError, match="tree_inference"):
         jax.jit(lambda m: m(2.0))(frozen)
-    # ... which tree_inference avoids; jaxstate.jit keeps Python bools static.
-    assert jax.jit(lambda m: m(2.0))(jaxstate.tree_inference(frozen, True)) == 2.0
-    assert jaxstate.jit(lambda m: m(2.0))(frozen) == 2.0
 
 
 def test_switching_modes_costs_one_trace_per_mode(jit):

@@ -174,9 +174,11 @@ def test_repr_of_an_inference_flag_that_is_not_a_bool():
     text = repr(bad)
     assert "inference=Array([ True, False], dtype=bool)" in text
     assert "float32[2]" in text
-    # A flag that `jax.jit` traced (a plain bool put in by `eqx.tree_at`).
-    plain = eqx.tree_at(lambda i: i.inference, index, True)
+    # A flag that `jax.jit` traced (an array put in by `eqx.tree_at`).
+    traced = eqx.tree_at(lambda i: i.inference, index, jnp.array(True))
     texts = []
-    jax.jit(lambda i: texts.append(repr(i)))(plain)
+    jax.jit(lambda i: texts.append(repr(i)))(traced)
     assert "inference=" in texts[0] and "bool[]" in texts[0]
+    # A plain bool put in stays a flag (see `_core/_flag.py`).
+    plain = eqx.tree_at(lambda i: i.inference, index, True)
     assert repr(plain).startswith("StateIndex(inference=True,")

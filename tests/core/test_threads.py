@@ -106,6 +106,58 @@ def _run_alone(script: str, last_words: str) -> None:
     assert last_words in run_python("-c", script, timeout=120).stdout
 
 
+_CALLBACKS_USE_STATE = """
+import threading, time
+import equinox as eqx, jax, jax.numpy as jnp, jaxstate
+from jaxstate import get_state, set_state
+class Logger(eqx.Module):
+    a: jaxstate.StateIndex
+    b: jaxstate.StateIndex
+class Model(eqx.Module):
+    c: jaxstate.StateIndex
+    w: jax.Array
+logger = Logger(jaxstate.StateIndex(init=jnp.array(0.0)),
+                jaxstate.StateIndex(init=jnp.array(0)))
+seen = []
+def log(x):
+    seen.append(float(logger.a.unsafe_get()) + float(get_state(logger.a)))
+    set_state(logger.b, get_state(logger.b) + 1)
+@jaxstate.jit
+def step(m, x):
+    v = get_state(m.c) + x @ m.w
+    jax.debug.callback(log, v.sum())
+    set_state(m.c, v)
+    return v.sum()
+x = jnp.ones(64)
+def worker(m):
+    for _ in range(100):
+        step(m, x)
+        set_state(logger.a, get_state(logger.a) + 1)
+for trial in range(3):
+    models = [Model(jaxstate.StateIndex(init=jnp.zeros(64)), jnp.ones((64, 64)))
+              for _ in range(8)]
+    step(models[0], x)
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jax.effects_barrier()
+    print(f"trial {trial}: {time.perf_counter() - start:.2f} s")
+assert len(seen) == 3 * 801, len(seen)
+print("finished")
+"""
+
+
+def test_host_callbacks_use_state_while_threads_write_it_eagerly():
+    # A hostile test found a hang: eight threads stepping models whose host callback
+    # read another state, while the threads also wrote that state eagerly. The
+    # copies those reads and writes made queued on XLA's CPU thread pool, which
+    # programs blocked in callbacks had filled (docs/design.md, "Threads").
+    _run_alone(_CALLBACKS_USE_STATE, "finished")
+
+
 _FINALISER_READS_STATE = """
 import gc, jax.numpy as jnp, equinox as eqx, jaxstate
 class M(eqx.Module):

@@ -79,7 +79,7 @@ EXPECTED = {
     # inference
     "set-in-inference",
     "set-in-inference-compiled",
-    "inference-mode-jax-jit",
+    "inference-array-jax-jit",
     "inference-not-bool",
     # jaxstate.jit
     "passed-and-closed",
@@ -114,7 +114,6 @@ EXPECTED = {
     "bn-mode",
     "bn-momentum",
     "bn-torch-one-value",
-    "bn-inference-mode-jax-jit",
 }
 ALLOWED = {"same-index-twice", "passed-and-closed", "mixed-halves"}
 # Entries that pass a wrongly typed argument: the typechecked run may reject it

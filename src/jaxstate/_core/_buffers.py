@@ -7,6 +7,7 @@ outside transforms, `unsafe_set`, every load, `from_pure`) is a `commit`. Both w
 on any object with a storage's `id`, `refs`, `real` and `pending` (`_storage.py`).
 """
 
+import sys
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from .. import _jax
-from ._lock import critical, exclusive
+from ._lock import critical, exclusive, reading
 
 
 def new_ref(value, *, copy: bool = True) -> jax.Ref:
@@ -47,10 +48,56 @@ def replacement(current: jax.Array, value) -> jax.Array:
     value = jnp.asarray(value)
     if _jax.typeof(value).weak_type:
         value = lax.convert_element_type(value, value.dtype)
-    if not current.committed and not getattr(value, "committed", False):
+    if not current.committed and not value.committed:
         # An uncommitted state stays so (see `new_ref`).
-        return jax.device_put(value, may_alias=False)
-    return jax.device_put(value, sharding, may_alias=False)
+        return fresh_copy(value)
+    if not value.sharding.is_equivalent_to(sharding, value.ndim):
+        # Moved: the new buffers are the value's own.
+        return jax.device_put(value, sharding, may_alias=False)
+    # Committed (or relabelled) where it is, sharing its buffers: then copied.
+    return fresh_copy(jax.device_put(value, sharding))
+
+
+def _identity(x):
+    return x
+
+
+# XLA gives each output of a program a buffer of its own unless an input is
+# donated: this program copies.
+_copy_program = jax.jit(_identity)
+
+
+def fresh_copy(x: jax.Array) -> jax.Array:
+    """`x` in new buffers, placed (and committed or not) as `x` is.
+
+    On the CPU, a compiled copy: XLA:CPU runs a program this cheap on the calling
+    thread once its input is ready (in a host callback too), where it hands every
+    `jax.device_put` copy to its thread pool, one thread per core. Programs blocked
+    in host callbacks can hold all of those threads, and a callback that then
+    waited for such a copy (`float(get_state(index))`) waited for ever.
+    """
+    devices = x.devices()
+    default = _jax.default_device()
+    if (
+        all(d.platform == "cpu" for d in devices)
+        and x.sharding.memory_kind in (None, "device")
+        and not _jax.jit_disabled()
+        and not sys.is_finalizing()
+        # (JAX sets the CPU as the default device while a host callback runs.)
+        and (x.committed or default is None or default in devices)
+    ):
+        out = _copy_program(x)
+        if x.committed and out.sharding != x.sharding:
+            # The same layout spelled another way (`P()` comes back as
+            # `P(None,)`): relabelled, not moved.
+            out = jax.device_put(out, x.sharding)
+        return out
+    # An accelerator's memory; host memory; `jax.disable_jit()`, under which the
+    # program would hand back `x` itself; a finaliser run at exit, after JAX let go
+    # of its backends (compiling would start them again, and hang starting a
+    # thread); another default device, to which the program would move an
+    # uncommitted `x`.
+    return jax.device_put(x, may_alias=False)
 
 
 _LEAKED = (
@@ -90,9 +137,15 @@ def commit(items: list[tuple[Any, list]]) -> None:
 def snapshot(storages: list) -> list[list[jax.Array]]:
     """The stacked values of several (set) states, consistent with each other: no
     `jaxstate.jit` call commits between reading one and the next. Copies, since
-    later calls donate the stored buffers."""
-    with exclusive(storages):
-        return [[_copy(s, r) for r in s.refs or ()] for s in storages]
+    later calls donate the stored buffers; made without jaxstate's lock, which is
+    never held while a program runs (docs/design.md, "Threads")."""
+
+    def grab():
+        return [[_current(s, r) for r in s.refs or ()] for s in storages]
+
+    with reading(storages, grab) as grabbed:
+        pairs = zip(storages, grabbed, strict=True)
+        return [[_copy(s, x) for x in xs] for s, xs in pairs]
 
 
 _DELETED = (
@@ -102,14 +155,18 @@ _DELETED = (
 )
 
 
-def _copy(storage, ref) -> jax.Array:
-    if storage.real is not None:  # a stand-in (see `commit`)
-        return ref[...]
-    buf = _jax.buffer(ref)
+def _current(storage, ref) -> Any:
+    # A stand-in's reference is read as it is (see `commit`).
+    return ref if storage.real is not None else _jax.buffer(ref)
+
+
+def _copy(storage, buf) -> jax.Array:
+    if storage.real is not None:  # a stand-in's reference
+        return buf[...]
     if buf.is_deleted():
         raise RuntimeError(_DELETED)
     if not buf.is_fully_addressable:
         return jnp.copy(buf)
     # (Not `jnp.copy`: on an uncommitted array it looks up JAX's default device,
     # under a lock that a finaliser reading state could already hold.)
-    return jax.device_put(buf, may_alias=False)
+    return fresh_copy(buf)

@@ -1,6 +1,15 @@
-"""A Python bool that JAX sees as tree structure rather than as a leaf."""
+"""Inference flags: Python bools that JAX sees as tree structure rather than as
+leaves, and that Equinox's switch cannot turn into leaves.
 
-from typing import Any
+A jaxstate module keeps its flag in a field `_inference` holding a `FlagHolder`,
+whose one child is the flag, and reads it through a property `inference`. Equinox's
+`eqx.nn.inference_mode` (`eqx.tree_at` underneath) replaces whatever `.inference`
+is, the flag, with a Python bool; the holder's unflatten turns that bool back into
+a flag. A model switched there and back so has the tree structure it had, and an
+optimiser state made for it still fits.
+"""
+
+from typing import Any, ClassVar
 
 import jax.tree_util as jtu
 import numpy as np
@@ -8,19 +17,21 @@ import numpy as np
 from .. import _jax
 
 
-class Flag:
+class Flag(tuple):
     """A boolean that flattens to no leaves, so `jax.jit` never traces it.
 
     Equinox layers keep `inference: bool` as a pytree leaf, which `jax.jit` turns into
-    a tracer. jaxstate stores its `inference` fields as a `Flag` instead: it still
-    behaves like a bool (`if index.inference:` works) and `eqx.nn.inference_mode`
-    still finds and replaces it.
+    a tracer. jaxstate's flags are instances of `_On` or `_Off` instead: empty
+    tuples with `_fields`, which JAX takes for namedtuples, nodes with no children
+    whose type is the value. Flattening and unflattening one runs no Python, and
+    each is an object of its own (`eqx.tree_at` tells the nodes it replaces apart by
+    identity). It behaves like a bool: `if index.inference:` works. Make one with
+    `flag(value)`.
     """
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: bool):
-        object.__setattr__(self, "value", bool(value))
+    __slots__ = ()
+    _fields: ClassVar[tuple] = ()
+    value: ClassVar[bool]
 
     def __bool__(self) -> bool:
         return self.value
@@ -32,44 +43,126 @@ class Flag:
             return self.value == bool(other)
         return NotImplemented
 
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
     def __hash__(self) -> int:
         return hash(self.value)
 
     def __repr__(self) -> str:
         return repr(self.value)
 
-    def __setattr__(self, name: str, value: Any):
-        raise AttributeError("Flag is immutable.")
-
-    # Immutable: copies are the flag itself; pickles rebuild it.
+    # A new object from a copy: the copy is a tree of its own.
     def __copy__(self) -> "Flag":
-        return self
+        return type(self)()
 
     def __deepcopy__(self, memo) -> "Flag":
-        return self
+        return type(self)()
 
     def __reduce__(self):
-        return (Flag, (self.value,))
+        return (type(self), ())
 
 
-def _flatten(flag: Flag):
-    return (), flag.value
+class _On(Flag):
+    __slots__ = ()
+    value = True
 
 
-def _unflatten(value: bool, _) -> Flag:
-    # A new object each time, not one of two shared ones: `eqx.tree_at` (and so
-    # `eqx.nn.inference_mode`) tells the fields it replaces apart by identity.
-    return Flag(value)
+class _Off(Flag):
+    __slots__ = ()
+    value = False
 
 
-jtu.register_pytree_node(Flag, _flatten, _unflatten)
+def flag(value: Any) -> Flag:
+    """A new flag of `value`'s truth."""
+    return _On() if value else _Off()
 
 
-def to_flag(value: Any) -> Any:
-    """Converter for `inference` fields: wraps plain bools, leaves anything else."""
+class FlagHolder:
+    """The value of a jaxstate module's `_inference` field: a pytree node whose one
+    child is the module's flag (or, put there by `eqx.tree_at`, anything else, which
+    using the module refuses). A Python bool unflattened into it becomes a flag (see
+    the top of this file). Immutable and hashable by its flag, as the static parts
+    of `jaxstate.jit`'s keys must be: its calls keep holders as they are."""
+
+    __slots__ = ("flag",)
+
+    def __init__(self, value: Any):
+        object.__setattr__(self, "flag", _as_flag(value))
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not FlagHolder:
+            return NotImplemented
+        return _same(self.flag, other.flag)
+
+    def __hash__(self) -> int:
+        flag = self.flag
+        return hash(flag) if isinstance(flag, Flag) else id(flag)
+
+    def __repr__(self) -> str:
+        return repr(self.flag)
+
+    def __setattr__(self, name: str, value: Any):
+        raise AttributeError("FlagHolder is immutable.")
+
+    def __reduce__(self):
+        return (FlagHolder, (self.flag,))
+
+
+def _as_flag(value: Any) -> Any:
     if isinstance(value, (bool, np.bool_)):
-        return Flag(bool(value))
+        return flag(value)
     return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Flag) and isinstance(b, Flag):
+        return a.value == b.value
+    return a is b
+
+
+_new = object.__new__
+_set_flag = FlagHolder.flag.__set__  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _flatten(holder: FlagHolder):
+    return (holder.flag,), None
+
+
+def _unflatten(_, children) -> FlagHolder:
+    # (Not `FlagHolder(...)`: a Python call less, on every unflatten of a model.)
+    holder = _new(FlagHolder)
+    (child,) = children
+    _set_flag(holder, flag(child) if type(child) in _BOOLS else child)
+    return holder
+
+
+_BOOLS = (bool, np.bool_)
+jtu.register_pytree_node(FlagHolder, _flatten, _unflatten)
+
+
+def to_holder(value: Any) -> FlagHolder:
+    """Converter for `_inference` fields: a bool (or a flag) in a holder."""
+    if type(value) is FlagHolder:
+        return value
+    return FlagHolder(value)
+
+
+_dict_of = object.__getattribute__
+
+
+def _inference(self) -> Any:
+    return _dict_of(self, "__dict__")["_inference"].flag
+
+
+inference_property = property(
+    _inference,
+    doc="The module's inference flag: a `Flag`, which behaves like a bool.",
+)
+"""The `inference` of a module with an `_inference` field: the flag (as
+Equinox's `inference_mode` finds and replaces it). A property rather than a field:
+the field holds the flag's `FlagHolder`."""
 
 
 def flag_value(value: Any, what: str) -> bool:
@@ -81,8 +174,8 @@ def flag_value(value: Any, what: str) -> bool:
     if isinstance(value, _jax.Tracer):
         raise RuntimeError(
             f"The `inference` flag of this {what} is a traced value: switch modes "
-            "with `jaxstate.tree_inference(model, value)`. "
-            "See docs/misuse.md#inference-mode-jax-jit."
+            "with `jaxstate.tree_inference` or `eqx.nn.inference_mode`. "
+            "See docs/misuse.md#inference-array-jax-jit."
         )
     try:
         return bool(value)

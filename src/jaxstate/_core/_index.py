@@ -6,7 +6,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._access import read_stacked, write, write_stacked
-from ._flag import Flag, flag_value, to_flag
+from ._flag import Flag, flag_value, FlagHolder, inference_property, to_holder
 from ._kinds import check_kind
 from ._storage import Handle, is_set, Storage, with_traits
 
@@ -51,7 +51,9 @@ class StateIndex(eqx.Module, Generic[_T]):
     """
 
     _handle: Handle = eqx.field(repr=False)
-    inference: bool = eqx.field(converter=to_flag)
+    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
+    _inference: FlagHolder = eqx.field(converter=to_holder)
+    inference = inference_property
 
     def __init__(
         self,
@@ -100,7 +102,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         check_kind(kind, "StateIndex")
         check_reset(reset)
         self._handle = Handle.new()
-        self.inference = inference
+        self._inference = to_holder(inference)
         with_traits(self._handle.get(), (kind, bool(persistent), reset))
         if init is not None:
             write(self._handle, init, "StateIndex(init=...)")
@@ -159,7 +161,7 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     state in inference mode, inside traces (where `tree_inference` refuses)."""
     new = object.__new__(StateIndex)
     object.__setattr__(new, "_handle", index._handle)
-    object.__setattr__(new, "inference", Flag(value))
+    object.__setattr__(new, "_inference", FlagHolder(value))
     return new
 
 
@@ -179,7 +181,7 @@ def with_storage(index: StateIndex, storage: Storage) -> StateIndex:
     """A copy of `index` (same flag) that reaches `storage` instead."""
     new = object.__new__(StateIndex)
     object.__setattr__(new, "_handle", Handle.of(storage))
-    object.__setattr__(new, "inference", index.inference)
+    object.__setattr__(new, "_inference", index._inference)
     return new
 
 

@@ -2,7 +2,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._flag import Flag
+from ._flag import flag
 from ._vmap import is_eager
 
 
@@ -62,7 +62,7 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
         pytree = eqx.tree_at(
             lambda t: [o.inference for o in _owners(t) if _is_jaxstate(o)],
             pytree,
-            replace_fn=lambda _: Flag(value),
+            replace_fn=lambda _: flag(value),
             is_leaf=lambda x: x is None,
         )
     if theirs:

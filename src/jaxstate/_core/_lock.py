@@ -8,7 +8,7 @@ import _signal  # pyright: ignore[reportMissingImports]  (CPython's, under `sign
 import contextlib
 import signal
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -16,6 +16,8 @@ _lock = threading.Lock()
 _cond = threading.Condition(_lock)
 # Storage id -> thread that checked it out.
 _busy: dict[int, int] = {}
+# Storage id -> threads copying its buffers (`reading`), which no call may donate.
+_readers: dict[int, list[int]] = {}
 _waiting = 0  # threads waiting in `_wait_free`
 _get_ident = threading.get_ident
 _DummyThread = threading._DummyThread  # pyright: ignore[reportAttributeAccessIssue]
@@ -43,30 +45,39 @@ def _release(acquired: bool) -> None:
         _lock.release()
 
 
-def _wait_free(ids: Iterable[int], nested: bool) -> None:
+def _wait_free(ids: Iterable[int], nested: bool, readers: bool = False) -> None:
     # Called with `_lock` held (by an enclosing section of this thread if `nested`).
+    # Waits until no call has checked out any of `ids` (nor, with `readers`, is any
+    # thread copying their buffers).
     global _waiting, _holder
     me = _get_ident()
     while True:
         owners = [_busy[i] for i in ids if i in _busy]
-        if not owners:
+        copying = (
+            [t for i in ids if i in _readers for t in _readers[i]] if readers else []
+        )
+        if not owners and not copying:
             return
         # A thread Python did not start is XLA's, running a host callback of a
         # call: most likely the very call holding the state, which cannot finish
         # before the callback does. Waiting would deadlock (a hostile test found
-        # it), so it is refused as the same thread is.
-        if me in owners or isinstance(threading.current_thread(), _DummyThread):
+        # it), so it is refused as the same thread is. (A copy in progress ends
+        # without waiting for anything: any thread may wait for that.)
+        if me in owners or (
+            owners and isinstance(threading.current_thread(), _DummyThread)
+        ):
             raise RuntimeError(
                 "A state used by a running `jaxstate.jit` call was reached from "
                 "inside that call (or its host callback): pass it in and return what "
                 "you need. See docs/misuse.md#state-in-a-callback."
             )
-        if nested:
-            # Waiting would release the lock under the enclosing section.
+        if nested or me in copying:
+            # Waiting would release the lock under the enclosing section, or wait
+            # for this very thread's copy.
             raise RuntimeError(
-                "State was used from a finaliser while another thread's "
-                "`jaxstate.jit` call holds it: do not use state in `__del__` or "
-                "weakref callbacks."
+                "State was used from a finaliser while a `jaxstate.jit` call or a "
+                "read holds it: do not use state in `__del__` or weakref callbacks. "
+                "See docs/misuse.md#state-in-a-callback."
             )
         _waiting += 1
         _holder = None
@@ -91,6 +102,45 @@ def exclusive(storages: Iterable[Any]) -> Iterator[None]:
         _release(acquired)
 
 
+@contextlib.contextmanager
+def reading(storages: list, grab: Callable[[], Any]) -> Iterator[Any]:
+    """Gives `grab()`, called under the lock once none of `storages` is checked out;
+    until the block ends, no `jaxstate.jit` call checks them out (and donates their
+    buffers). The block itself runs without the lock: it copies the buffers
+    `grab` took, and on the CPU a copy whose input is ready runs there and then.
+    (A thread that holds the lock already, a finaliser run inside a section, does
+    it all under it.)"""
+    ids = [s.id for s in storages]
+    me = _get_ident()
+    if not _acquire(me):
+        if _busy:
+            _wait_free(ids, True)
+        yield grab()
+        return
+    try:
+        if _busy:
+            _wait_free(ids, False)
+        grabbed = grab()
+        for i in ids:
+            _readers.setdefault(i, []).append(me)
+    finally:
+        _release(True)
+    try:
+        yield grabbed
+    finally:
+        acquired = _acquire(me)
+        try:
+            for i in ids:
+                threads = _readers[i]
+                threads.remove(me)
+                if not threads:
+                    del _readers[i]
+            if _waiting:
+                _cond.notify_all()
+        finally:
+            _release(acquired)
+
+
 def take(ids: list[int]) -> bool:
     """Opens a critical section, then marks the states as in use by this thread's
     `jaxstate.jit` call. Pass what it returns to `give`.
@@ -108,8 +158,8 @@ def take(ids: list[int]) -> bool:
             _lock.acquire()
             _holder = me
         try:
-            if _busy:
-                _wait_free(ids, nested)
+            if _busy or _readers:
+                _wait_free(ids, nested, readers=True)
             for i in ids:
                 _busy[i] = me
         finally:

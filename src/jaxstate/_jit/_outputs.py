@@ -9,7 +9,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jax
-from .._core._flag import Flag
+from .._core._flag import Flag, FlagHolder
 from .._core._index import StateIndex
 from .._core._storage import Handle
 from ._guards import container_paths, guard_of, unchanging
@@ -20,7 +20,7 @@ class OutIndex(NamedTuple):
     """An output's index of one of the call's states."""
 
     number: int  # the state's slot in the call
-    flag: Any  # the index's `Flag`
+    holder: FlagHolder  # of the index's flag
     treedef: Any  # of the `StateIndex` itself, with its handle as a leaf
 
 
@@ -54,7 +54,7 @@ class OutPart:
         tracers; `slot_of` numbers the call's (stand-in) storages by id."""
 
         def passed_index(x) -> bool:
-            if type(x) is not StateIndex or type(x.inference) is not Flag:
+            if type(x) is not StateIndex or not isinstance(x.inference, Flag):
                 return False
             storage = x._handle.storage
             return storage is not None and storage.id in slot_of
@@ -67,7 +67,8 @@ class OutPart:
                 return Slot(slot_of[storage.id], None)
             if type(leaf) is StateIndex and passed_index(leaf):
                 treedef = jtu.tree_structure(leaf, is_leaf=is_leaf)
-                return OutIndex(slot_of[leaf._handle.get().id], leaf.inference, treedef)
+                number = slot_of[leaf._handle.get().id]
+                return OutIndex(number, leaf._inference, treedef)
             return leaf
 
         # The key of the element as an argument: handles as leaves.
@@ -94,9 +95,9 @@ class OutPart:
         ]
         self._array_pos = [i for i, s in enumerate(spec) if s is ARRAY]
         self._slot_pos = [(i, s.number) for i, s in enumerate(spec) if type(s) is Slot]
-        # Looked up by `(number, bool)`: hashing a `Flag` runs Python code.
+        # Looked up by `(number, bool)`: hashing a holder runs Python code.
         self._index_pos = [
-            (i, (s.number, s.flag.value), s)
+            (i, (s.number, s.holder.flag.value), s)
             for i, s in enumerate(spec)
             if type(s) is OutIndex
         ]
@@ -137,7 +138,7 @@ class OutPart:
             index = indices.get(lookup)
             if index is None:
                 index = out_index.treedef.unflatten(
-                    [handles[out_index.number], out_index.flag]
+                    [handles[out_index.number], out_index.holder]
                 )
                 indices[lookup] = index
             leaves[i] = index

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._core._flag import flag_value, to_flag
+from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
 from .._core._index import StateIndex
 from .._core._kinds import BATCH_STATS
 from .._core._ops import get_state, set_state
@@ -89,7 +89,9 @@ class BatchNorm(eqx.Module):
     ema_state: StateIndex | None
     counter: StateIndex | None
     batch_state: StateIndex | None
-    inference: bool = eqx.field(converter=to_flag)
+    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
+    _inference: FlagHolder = eqx.field(converter=to_holder)
+    inference = inference_property
     axis_name: Hashable | Sequence[Hashable] = eqx.field(static=True)
     input_size: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
@@ -203,7 +205,7 @@ class BatchNorm(eqx.Module):
                 init=(zeros, ones), kind=BATCH_STATS, reset=(0, 1)
             )
             self.first_time = self.ema_state = None
-        self.inference = inference
+        self._inference = to_holder(inference)
         self.axis_name = axis_name
         self.input_size = input_size
         self.eps = eps

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import flag_value, to_flag
+from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
 from ._rng import RNGStream, with_inference
 from ._util import axis_index, axis_names, AxisName, extra_vmaps
 
@@ -117,7 +117,9 @@ class Dropout(eqx.Module):
     # number, so `p=0` draws nothing there either.
     p: float = eqx.field(static=True)
     rng: RNGStream
-    inference: bool = eqx.field(converter=to_flag)
+    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
+    _inference: FlagHolder = eqx.field(converter=to_holder)
+    inference = inference_property
     axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
@@ -151,7 +153,7 @@ class Dropout(eqx.Module):
         """
         self.p = _check_p(p)
         self.rng = _stream(key, flag_value(inference, "Dropout"))
-        self.inference = inference
+        self._inference = to_holder(inference)
         self.axis_name = axis_name
 
     def __call__(

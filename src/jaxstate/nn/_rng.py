@@ -3,7 +3,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import Flag, flag_value, to_flag
+from .._core._flag import (
+    Flag,
+    flag,
+    flag_value,
+    FlagHolder,
+    inference_property,
+    to_holder,
+)
 from .._core._index import StateIndex
 from .._core._kinds import RNG
 from .._core._ops import get_state, set_state
@@ -97,7 +104,9 @@ class RNGStream(eqx.Module):
     # that the first keeps its layout (and checkpoints their names).
     state: StateIndex
     inference_counter: StateIndex
-    inference: bool = eqx.field(converter=to_flag)
+    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
+    _inference: FlagHolder = eqx.field(converter=to_holder)
+    inference = inference_property
     impl: str = eqx.field(static=True)
 
     def __init__(
@@ -131,7 +140,7 @@ class RNGStream(eqx.Module):
             init=(key_data, jnp.zeros((), jnp.uint32)), kind=RNG, reset=(None, 0)
         )
         self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32), kind=RNG)
-        self.inference = inference
+        self._inference = to_holder(inference)
 
     def next(
         self, *, axis_name: AxisName | None = None, inference: bool | None = None
@@ -267,6 +276,6 @@ def with_inference(stream: RNGStream, value: bool) -> RNGStream:
     return eqx.tree_at(
         lambda s: s.inference,
         stream,
-        Flag(bool(value)),
+        flag(value),
         is_leaf=lambda x: isinstance(x, Flag),
     )

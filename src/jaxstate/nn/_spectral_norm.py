@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .._core._flag import flag_value, to_flag
+from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
 from .._core._index import StateIndex
 from .._core._kinds import BATCH_STATS
 from .._core._ops import get_state, set_state
@@ -51,7 +51,9 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
 
     layer: _Layer
     uv: StateIndex
-    inference: bool = eqx.field(converter=to_flag)
+    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
+    _inference: FlagHolder = eqx.field(converter=to_holder)
+    inference = inference_property
     weight_name: str = eqx.field(static=True)
     num_power_iterations: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
@@ -96,7 +98,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         # Statistics of the weight, kept for inference; no reset value (they
         # start converged for the weight the layer was built with).
         self.uv = StateIndex(init=(u, v), kind=BATCH_STATS, reset=None)
-        self.inference = inference
+        self._inference = to_holder(inference)
         self.weight_name = weight_name
         self.num_power_iterations = num_power_iterations
         self.eps = eps
