@@ -3,7 +3,7 @@
 import os as _os
 from importlib import metadata as _metadata
 
-from . import _jax, kinds as kinds, nn as nn
+from . import _jax, extend as extend, kinds as kinds
 from ._checkpoint._equinox import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,
@@ -36,6 +36,12 @@ from ._core._slow import SlowPathWarning as SlowPathWarning
 from ._jit._wrapper import jit as jit
 from ._pure._pure import from_pure as from_pure, to_pure as to_pure
 from ._pure._shard_map import device_put as device_put, shard_map as shard_map
+
+
+# isort: split
+# Last: the layers are written with the names above and `jaxstate.extend`, as a
+# layer outside the package is.
+from . import nn as nn
 
 
 __version__ = _metadata.version("jaxstate")

@@ -8,10 +8,10 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .. import _jax
+from .._core._access import read_stacked, write_stacked
 from .._core._buffers import commit
 from .._core._kinds import check_filter
 from .._core._storage import Storage
-from ..nn._util import read, write
 from ._values import is_key_dtype
 from ._walk import Contents, walk
 
@@ -98,11 +98,14 @@ def reset(tree: PyTree, filter: Any) -> None:
         )
     states = [e for e in states if not _keep_all(e.storage.reset)]
     if not _jax.is_eager():
-        # Inside a trace: each state through `get_state`/`set_state`, as seen by
-        # this call (a failed trace runs nothing, so it changes nothing).
-        new = [(e, reset_value(e.storage, e.name, read(e.index))) for e in states]
+        # Inside a trace: each state's stacked value, as seen by this call (a
+        # failed trace runs nothing, so it changes nothing).
+        new = [
+            (e, reset_value(e.storage, e.name, read_stacked(e.index._handle, fn)))
+            for e in states
+        ]
         for entry, value in new:
-            write(entry.index, value)
+            write_stacked(entry.index._handle, value, fn)
         return
     # Eagerly: every new value first, then all of them at once.
     values = Contents(list(states), []).read()

@@ -66,14 +66,50 @@ jtu.register_pytree_node(Flag, _flatten, _unflatten)
 
 
 def to_flag(value: Any) -> Any:
-    """Converter for `inference` fields: wraps plain bools, leaves anything else."""
+    """The converter of a layer's `inference` field: a Python bool becomes a flag
+    that behaves as one (`if self.inference:`) but is tree structure, not a leaf,
+    so that plain `jax.jit` does not trace it and [`jaxstate.tree_inference`][]
+    switches it. Anything else is kept as it is.
+
+    **Arguments:**
+
+    - `value`: the field's value.
+
+    **Returns:**
+
+    The flag, or `value`.
+
+    !!! example
+
+        ```python
+        class Noisy(eqx.Module):
+            inference: bool = eqx.field(converter=jaxstate.extend.to_flag)
+        ```
+    """
     if isinstance(value, (bool, np.bool_)):
         return Flag(bool(value))
     return value
 
 
 def flag_value(value: Any, what: str) -> bool:
-    """Reads an `inference` field as a Python bool, or explains why it cannot."""
+    """Reads an `inference` field as a Python bool, or explains why it cannot.
+
+    **Arguments:**
+
+    - `value`: the field's value (a flag made by
+        [`jaxstate.extend.to_flag`][], or a bool).
+    - `what`: the layer's name, for the message.
+
+    **Returns:**
+
+    The bool.
+
+    **Raises:**
+
+    `RuntimeError` for a traced flag (`eqx.nn.inference_mode` stores a bool, which
+    `jax.jit` traces), naming the fix; `TypeError` for anything else that is not
+    a bool.
+    """
     if isinstance(value, Flag):
         return value.value
     if isinstance(value, (bool, np.bool_)):

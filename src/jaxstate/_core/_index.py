@@ -5,7 +5,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._access import read_stacked, write, write_stacked
+from ._access import check_eager, read_stacked, write, write_stacked
 from ._flag import Flag, flag_value, to_flag
 from ._kinds import check_kind
 from ._storage import Handle, is_set, Storage, with_traits
@@ -121,6 +121,7 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         A `RuntimeError` if no state has been set, or if called inside a transform.
         """
+        check_eager(self._handle, "StateIndex.unsafe_get")
         return read_stacked(self._handle, "StateIndex.unsafe_get")
 
     def unsafe_set(self, value: PyTree[ArrayLike]) -> None:
@@ -136,6 +137,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         included) or a dtype differs from the stored state. On error nothing is
         written.
         """
+        check_eager(self._handle, "StateIndex.unsafe_set")
         write_stacked(self._handle, value, "StateIndex.unsafe_set")
 
     def __repr__(self) -> str:
@@ -162,6 +164,35 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     object.__setattr__(new, "_handle", index._handle)
     object.__setattr__(new, "inference", Flag(value))
     return new
+
+
+def writable(index: StateIndex) -> StateIndex:
+    """`index`, or, if it is in inference mode, a copy of it in training mode (the
+    same state): for state that inference writes too.
+
+    Inference mode (`jaxstate.tree_inference`) freezes training state, such as a
+    BatchNorm's statistics. A random stream, a metric or a cache is no training
+    state: a model in inference mode still draws keys, counts and decodes. Write
+    such state through `writable(index)`.
+
+    **Arguments:**
+
+    - `index`: a [`jaxstate.StateIndex`][].
+
+    **Returns:**
+
+    A `StateIndex` of the same state, in training mode.
+
+    !!! example
+
+        ```python
+        jaxstate.set_state(jaxstate.extend.writable(self.count), n + 1)
+        ```
+    """
+    check_index(index, "writable")
+    if flag_value(index.inference, "StateIndex"):
+        return with_inference(index, False)
+    return index
 
 
 def check_reset(reset: Any) -> None:

@@ -2,8 +2,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from .. import _jax
 from ._flag import Flag
-from ._vmap import is_eager
 
 
 def _has_inference(x) -> bool:
@@ -20,7 +20,9 @@ def _owners(pytree) -> list:
 
 
 def _is_jaxstate(x) -> bool:
-    return type(x).__module__.startswith("jaxstate")
+    # jaxstate's objects, and layers written with `jaxstate.extend.to_flag` (whose
+    # flag is a `Flag` until `eqx.nn.inference_mode` sets a bool), get a `Flag`.
+    return type(x).__module__.startswith("jaxstate") or type(x.inference) is Flag
 
 
 def tree_inference(pytree: PyTree, value: bool) -> PyTree:
@@ -50,7 +52,7 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
         eval_model = jaxstate.tree_inference(model, True)
         ```
     """
-    if not is_eager():
+    if not _jax.is_eager():
         raise RuntimeError(
             "`jaxstate.tree_inference` was called inside jit, vmap, grad or another "
             "transform. Switch modes outside and pass the switched model in, or pass "

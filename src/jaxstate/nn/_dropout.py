@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import flag_value, to_flag
+from ..extend import flag_value, shared_vmaps, to_flag
 from ._rng import RNGStream, with_inference
-from ._util import axis_index, axis_names, AxisName, extra_vmaps
+from ._util import axis_index, axis_names, AxisName
 
 
 _Seed = Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
@@ -199,7 +199,7 @@ class Dropout(eqx.Module):
         if inference:
             return jnp.asarray(x)
         if key is None:
-            if self.axis_name is None and extra_vmaps(self.rng.state) > 0:
+            if self.axis_name is None and shared_vmaps(self.rng.state) > 0:
                 raise RuntimeError(
                     "`jaxstate.nn.Dropout` was called under a vmap that it was not "
                     "built under, with no `axis_name`: every example would get the "

@@ -3,21 +3,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import Flag, flag_value, to_flag
-from .._core._index import StateIndex
-from .._core._kinds import RNG
-from .._core._ops import get_state, set_state
-from ._util import (
-    axis_index,
-    axis_names,
-    AxisName,
-    check_axis_name,
-    check_can_create,
-    extra_vmaps,
-    read,
+from .. import get_state, set_state, StateIndex
+from ..extend import (
+    flag_value,
+    get_stacked,
+    set_stacked,
+    shared_vmaps,
+    to_flag,
     writable,
-    write,
 )
+from ..kinds import RNG
+from ._util import axis_index, axis_names, AxisName, check_axis_name, check_can_create
 
 
 def _as_key(seed_or_key) -> PRNGKeyArray:
@@ -170,7 +166,7 @@ class RNGStream(eqx.Module):
             "every member of that vmap would get the same key.",
         )
         names = () if axis_name is None else axis_names(axis_name)
-        unnamed = extra_vmaps(self.state) - len(names)
+        unnamed = shared_vmaps(self.state) - len(names)
         if unnamed > 0:
             raise RuntimeError(
                 "`RNGStream.next` (which `jaxstate.nn.Dropout` calls) was called "
@@ -245,20 +241,24 @@ class RNGStream(eqx.Module):
         """Sets both counters (training and inference) back to zero: the stream
         replays its keys from the start. Works eagerly (for every member of an
         ensemble at once) and inside `jit`."""
-        key_data, counter = read(self.state)
-        write(self.state, (key_data, jnp.zeros_like(counter)))
-        write(self.inference_counter, jnp.zeros_like(read(self.inference_counter)))
+        state, inference_counter = (
+            writable(self.state),
+            writable(self.inference_counter),
+        )
+        key_data, counter = get_stacked(state)
+        set_stacked(state, (key_data, jnp.zeros_like(counter)))
+        set_stacked(inference_counter, jnp.zeros_like(get_stacked(inference_counter)))
 
     @property
     def count(self) -> UInt32[Array, "*members"]:
         """How many keys the stream has given in training mode (eager: one per
         member of an ensemble)."""
-        return read(self.state)[1]
+        return get_stacked(self.state)[1]
 
     @property
     def inference_count(self) -> UInt32[Array, "*members"]:
         """How many keys the stream has given in inference mode."""
-        return read(self.inference_counter)
+        return get_stacked(self.inference_counter)
 
 
 def with_inference(stream: RNGStream, value: bool) -> RNGStream:
@@ -267,9 +267,7 @@ def with_inference(stream: RNGStream, value: bool) -> RNGStream:
     (`eqx.filter_vmap` building an ensemble), unlike `tree_inference`."""
     if flag_value(stream.inference, "RNGStream") == bool(value):
         return stream
+    flag = stream.inference
     return eqx.tree_at(
-        lambda s: s.inference,
-        stream,
-        Flag(bool(value)),
-        is_leaf=lambda x: isinstance(x, Flag),
+        lambda s: s.inference, stream, to_flag(bool(value)), is_leaf=lambda x: x is flag
     )

@@ -6,11 +6,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .._core._flag import flag_value, to_flag
-from .._core._index import StateIndex
-from .._core._kinds import BATCH_STATS
-from .._core._ops import get_state, set_state
-from ._util import writable
+from .. import get_state, set_state, StateIndex
+from ..extend import flag_value, to_flag, writable
+from ..kinds import BATCH_STATS
 
 
 _Layer = TypeVar("_Layer")
