@@ -238,7 +238,7 @@ def uncommitted(x: Any) -> Any:
     `ArrayImpl` is built from its type, its sharding and its per-device buffers
     (`x._arrays`), and is committed when told so. JAX has no public way to do
     this short of a copy through the host; a loaded checkpoint needs it (see
-    `_checkpoint/_values.py`, `place`)."""
+    `_tree/_values.py`, `place`)."""
     return _array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
 
 

@@ -12,8 +12,8 @@ from .._core._access import read_stacked, write_stacked
 from .._core._buffers import commit
 from .._core._kinds import check_filter
 from .._core._storage import Storage
-from ._values import is_key_dtype
-from ._walk import Contents, walk
+from .._tree._values import is_key_dtype
+from .._tree._walk import Contents, walk
 
 
 def _keep_all(spec: Any) -> bool:
@@ -23,7 +23,7 @@ def _keep_all(spec: Any) -> bool:
 def reset_value(storage: Storage, name: str, value: Any) -> Any:
     """`value` (the state of `storage`, named `name`, any batch axes in front) with
     the state's reset value written where its `reset=` gives a number."""
-    spec = storage.reset
+    spec = storage.traits.reset
 
     def fill(number, subtree):
         if number is None:
@@ -96,7 +96,7 @@ def reset(tree: PyTree, filter: Any) -> None:
             f"`{fn}`: the filter {filter!r} selects no state of this tree (arrays "
             "are not reset). Pass a kind of state, such as 'metric' or 'cache'."
         )
-    states = [e for e in states if not _keep_all(e.storage.reset)]
+    states = [e for e in states if not _keep_all(e.storage.traits.reset)]
     if not _jax.is_eager():
         # Inside a trace: each state's stacked value, as seen by this call (a
         # failed trace runs nothing, so it changes nothing).

@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jaxtyping import PyTree
 
 from .._core._kinds import matches, PARAMS
-from ._values import nbytes
-from ._walk import ArrayEntry, name_of, walk
+from .._tree._values import nbytes
+from .._tree._walk import ArrayEntry, name_of, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,9 +203,17 @@ def summary(tree: PyTree, filter: Any = ...) -> Summary:
             )
     for path, storage in contents.unset:
         name = name_of(path)
-        if matches(filter, name, storage.kind):
+        if matches(filter, name, storage.traits.kind):
             rows.append(
-                SummaryRow(name, storage.kind, None, None, 0, "-", storage.persistent)
+                SummaryRow(
+                    name,
+                    storage.traits.kind,
+                    None,
+                    None,
+                    0,
+                    "-",
+                    storage.traits.persistent,
+                )
             )
     totals: dict[str, KindTotal] = {}
     for row in rows:

@@ -31,9 +31,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._core._index import StateIndex
+from .._tree._values import to_host
+from .._tree._walk import name_of
 from ._layers import layer_of
-from ._values import to_host
-from ._walk import name_of
 
 
 LAYOUTS = ("torch",)

@@ -8,7 +8,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 from ._access import check_eager, read_stacked, write, write_stacked
 from ._flag import Flag, flag_value, to_flag
 from ._kinds import check_kind
-from ._storage import Handle, is_set, Storage, with_traits
+from ._storage import Handle, is_set, Storage, Traits
 
 
 _T = TypeVar("_T")
@@ -102,7 +102,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         check_reset(reset)
         self._handle = Handle.new()
         self.inference = inference
-        with_traits(self._handle.get(), (kind, bool(persistent), reset))
+        self._handle.get().traits = Traits(kind, bool(persistent), reset)
         if init is not None:
             write(self._handle, init, "StateIndex(init=...)")
 
@@ -150,9 +150,9 @@ class StateIndex(eqx.Module, Generic[_T]):
             # raises the explanation.
             inference = self.inference
         traits = ""
-        if storage is not None and storage.kind != "state":
-            traits += f"kind={storage.kind!r}, "
-        if storage is not None and not storage.persistent:
+        if storage is not None and storage.traits.kind != "state":
+            traits += f"kind={storage.traits.kind!r}, "
+        if storage is not None and not storage.traits.persistent:
             traits += "persistent=False, "
         return f"StateIndex(inference={inference!r}, {traits}{what})"
 

@@ -74,7 +74,7 @@ class SliceRef:
     `ref[idx]` with a tuple `idx`), on one slice of a reference: `ref[indices]`,
     the leading axes indexed by `indices` (traced integers). `jaxstate.scan`
     gives each iteration's body its layer's slice of a stacked state with these
-    (`_scan.py`)."""
+    (`_loops/_scan.py`)."""
 
     __slots__ = ("ref", "indices")
 

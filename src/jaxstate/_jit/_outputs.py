@@ -220,8 +220,9 @@ def rebuild(
     description: Description, arrays: list, call: Part, signatures, memo, remember
 ):
     """A call's output, from what it returned; the modules among it are remembered
-    (with `remember`) unless the program gave a state its first value. (`memo` is
-    `None` for a call under another transform, which remembers nothing.)"""
+    in `memo` (with `remember`) unless the program gave a state its first value.
+    (`memo` is `None` for a call under another transform, which remembers
+    nothing.)"""
     is_tuple, described = description
     outs, start = [], 0
     for op in described:
@@ -240,6 +241,4 @@ def rebuild(
             if part is not None:
                 memo.remember(out, part)
         outs.append(out)
-    if memo is not None:
-        memo.next_call()
     return tuple(outs) if is_tuple else outs[0]

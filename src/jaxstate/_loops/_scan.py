@@ -23,10 +23,15 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax
-from ._access import check_not_scanned, check_traced
-from ._context import note_reached, redirected, resolve
-from ._local import SliceRef
-from ._storage import describe_unset, Handle, is_set, Storage, traits, with_traits
+from .._core._access import check_not_scanned, check_traced
+from .._core._context import note_reached, redirected, resolve
+from .._core._local import SliceRef
+from .._core._storage import (
+    describe_unset,
+    Handle,
+    is_set,
+    Storage,
+)
 
 
 _Carry = TypeVar("_Carry")
@@ -37,7 +42,8 @@ _Y = TypeVar("_Y")
 def _slice(storage: Storage, index: Any) -> Storage:
     """A stand-in for slice `index` (along the outermost batch axis) of `storage`."""
     assert storage.refs is not None
-    out = with_traits(Storage(), traits(storage))
+    out = Storage()
+    out.traits = storage.traits
     out.real = storage
     out.treedef = storage.treedef
     out.member_avals = storage.member_avals

@@ -3,7 +3,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .. import _jax
-from ._flag import Flag
+from .._core._flag import Flag
 
 
 def _has_inference(x) -> bool:
