@@ -19,7 +19,7 @@ from .. import _jax
 from ._buffers import commit, snapshot
 from ._checks import array_leaves, aval_text, check_fits
 from ._context import note_reached, resolve
-from ._create import create
+from ._create import stored_by_creating
 from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
 from ._storage import describe_unset, Handle, is_set, Key, Storage
@@ -112,7 +112,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
     storage = resolve(handle)
     note_reached(storage)
     leaves, treedef = array_leaves(state, fn, "state")
-    if not is_set(storage) and create(storage, leaves, treedef, fn):
+    if not is_set(storage) and stored_by_creating(storage, leaves, treedef, fn):
         return
     check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
     assert storage.refs is not None

@@ -107,10 +107,10 @@ class Memo:
         return [
             self.fun_part(),
             EMPTY if not kwargs else analyse(kwargs),
-            *map(self.part, args),
+            *map(self.part_of, args),
         ]
 
-    def part(self, tree) -> Any:
+    def part_of(self, tree) -> Any:
         """The part of an argument; an array stands for itself."""
         if is_array(tree):
             return tree

@@ -125,7 +125,7 @@ class _JitWrapper:
         out_arrays, static, _ = program.run([], (kept, donated, [], None), False)
         if program.created:
             self._forget(program, call)
-        return rebuild(program.outputs[static.value], out_arrays, call, {}, None, False)
+        return rebuild(program.outputs[static.value], out_arrays, call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -227,12 +227,7 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         out = rebuild(
-            program.outputs[static.value],
-            out_arrays,
-            call,
-            program.signatures,
-            self.memo,
-            not created,
+            program.outputs[static.value], out_arrays, call, self.memo, not created
         )
         self.memo.next_call()
         return out
