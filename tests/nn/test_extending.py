@@ -309,3 +309,30 @@ def test_reset_by_kind(compiler):
     COMPILERS[compiler](lambda m: jaxstate.reset(m, "metric"))(model)
     assert int(model.median.count()) == 0
     assert float(model.median.value()) == 0.0
+
+
+def test_the_extension_api_refuses_what_does_not_fit():
+    index = jaxstate.StateIndex(init=(jnp.zeros((4, 2)), jnp.zeros(4, jnp.int32)))
+    rows = (jnp.ones((2, 2)), jnp.ones(2, jnp.int32))
+    with pytest.raises(RuntimeError, match="rows"):
+        set_rows(index, (jnp.ones((2, 2)), jnp.ones(2)), 0)  # a float32 leaf
+    with pytest.raises(RuntimeError, match="rows"):
+        set_rows(index, (jnp.ones((2, 3)), jnp.ones(2, jnp.int32)), 0)
+    with pytest.raises(RuntimeError, match="rows"):
+        set_rows(index, jnp.ones((2, 2)), 0)  # another structure
+    with pytest.raises(RuntimeError, match="rows"):
+        set_rows(index, (jnp.ones((2, 2)), jnp.ones(3, jnp.int32)), 0)
+    # A start past the end is clamped, as `lax.dynamic_update_slice` clamps it.
+    state = set_rows(index, rows, 3)
+    np.testing.assert_array_equal(state[1], [0, 0, 1, 1])
+    frozen = jaxstate.tree_inference(index, True)
+    for write in (
+        lambda: set_rows(frozen, rows, 0),
+        lambda: set_stacked(frozen, state),
+    ):
+        with pytest.raises(RuntimeError, match="inference mode"):
+            write()
+    set_stacked(writable(frozen), jax.tree.map(jnp.zeros_like, state))
+    assert int(jnp.sum(get_stacked(frozen)[1])) == 0
+    with pytest.raises(TypeError, match="StateIndex"):
+        get_stacked(jnp.zeros(2))

@@ -188,7 +188,7 @@ def _with_rows(state: Any, rows: Any, start: Any) -> Any:
 def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
     """Writes `rows` into the state of `handle` (one vmap member's): per leaf, `n`
     entries along its first axis, from `start` (an integer scalar, clamped so that
-    they fit, as `lax.dynamic_update_slice` clamps it). Returns the state after the
+    they fit every leaf). Returns the state after the
     write, as `read` does.
 
     Through references, only those rows are written, in place, and the state is
@@ -203,7 +203,8 @@ def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
     assert refs is not None
     row_leaves, treedef = array_leaves(rows, fn, "rows")
     n = _check_rows(storage, row_leaves, treedef, fn)
-    length = storage.member_avals[0].shape[0] if storage.member_avals else n
+    # Clamped as `lax.dynamic_update_slice` clamps it, to fit every leaf.
+    length = min((a.shape[0] for a in storage.member_avals), default=n)
     start = jnp.clip(jnp.asarray(start), 0, length - n)
     if (
         _jax.is_eager()
