@@ -188,8 +188,7 @@ def _with_rows(state: Any, rows: Any, start: Any) -> Any:
 def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
     """Writes `rows` into the state of `handle` (one vmap member's): per leaf, `n`
     entries along its first axis, from `start` (an integer scalar, clamped so that
-    they fit every leaf). Returns the state after the
-    write, as `read` does.
+    they fit every leaf). Returns the state after the write, as `read` does.
 
     Through references, only those rows are written, in place, and the state is
     read again after: writing the whole value back, or using a value read before

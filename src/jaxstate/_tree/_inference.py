@@ -29,7 +29,8 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
     """Returns a copy of `pytree` with every `inference` flag set to `value`.
 
     Like `equinox.nn.inference_mode`, which also works on jaxstate's indices and
-    layers. The difference: flags of jaxstate objects are stored as static tree
+    layers. The difference: flags of jaxstate objects (and of layers of your own
+    whose flag is made by [`jaxstate.extend.to_flag`][]) are stored as static tree
     structure, so a model switched here can also be passed through plain `jax.jit`.
 
     **Arguments:**
