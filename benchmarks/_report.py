@@ -222,7 +222,7 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         out.append("")
         rows = [[k, f"{b.pieces[k]:.1f}"] for k in (*P.STAGES, P.COPY)]
         rows += [[f"**{k}**", f"**{b.pieces[k]:.1f}**"] for k in (P.FULL, P.HAND)]
-        rows += [[k, f"{b.pieces[k]:.1f}"] for k in (P.NEXT_CALL, P.UNFLATTEN)]
+        rows += [[k, f"{b.pieces[k]:.1f}"] for k in (P.UNFLATTEN,)]
         out += [md_table(Table("", ["stage", "µs/call"], rows)), ""]
         out += ["What this says:", ""]
         out += [f"- {line}" for line in _advice(key, b, results)]
@@ -301,7 +301,7 @@ def _first_call_advice(phases: dict[str, dict[str, float]]) -> list[str]:
             "and replace plain values); the difference is jaxstate's Python while "
             "tracing: a proxy storage and handle per state, rebuilding the "
             "arguments around them, the checks in get_state/set_state, and "
-            "describing the output (`OutPart`). Inside nested transforms they also "
+            "describing the output (`OutputPlan`). Inside nested transforms they also "
             "bind jaxstate's read/write primitives on references."
         )
     return lines
@@ -335,7 +335,7 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
     freed = p[P.NEXT_CALL]
     if freed > max(2.0, 0.25 * p[P.REBUILD]):
         lines.append(
-            f"{freed:.1f} µs of the rebuild is `Memo.next_call`: the memo holds a "
+            f"{freed:.1f} µs go to `Memo.next_call`: the memo holds a "
             "tuple argument (an optax state) until the next call, so the previous "
             "step's copy is freed there, about 1.5 µs per array on this machine. "
             "A hand-threaded step frees its previous state too, when the caller "

@@ -13,7 +13,8 @@ copy of the path to drift from it.
 - the compiled call itself (JAX's C++ dispatch of flat lists of arrays, and the
   static output node's Python callback);
 - rebuilding the outputs (`_outputs.rebuild`: the returned modules unflattened
-  around the output arrays and remembered for the next call).
+  around the output arrays and remembered for the next call);
+- ending the call (`Memo.next_call`: what the last call remembered dropped).
 
 The call with clocks, the same call without them and the hand-threaded step are
 timed in the same interleaved rounds (host µs per call: many calls, then one wait;
@@ -49,12 +50,12 @@ PROGRAM = "the compiled call (JAX's C++ dispatch; flat lists in and out)"
 WRITE = "write the new state buffers back"
 GIVE = "check the states back in (`_lock.give`)"
 REBUILD = "rebuild the outputs (`_outputs.rebuild`)"
-STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD)
-# Other keys of `Breakdown.pieces`.
 NEXT_CALL = (
-    "of the rebuild: `Memo.next_call`, which drops the last call's memo entries "
-    "and so frees what only they still held (an optax state's arrays)"
+    "end the call (`Memo.next_call`): drop the last call's memo entries, and so "
+    "free what only they still held (an optax state's arrays)"
 )
+STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD, NEXT_CALL)
+# Other keys of `Breakdown.pieces`.
 UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
 COPY = "jaxstate.jit, the whole call with clocks around its stages"
 FULL = "jaxstate.jit, the whole call"
@@ -188,7 +189,7 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
 
     clocks = _clocks(wrapper, program)
     samples: dict[str, list[float]] = {
-        k: [] for k in (*STAGES, NEXT_CALL, UNFLATTEN, COPY, FULL, HAND)
+        k: [] for k in (*STAGES, UNFLATTEN, COPY, FULL, HAND)
     }
     n = max(20, calls // rounds)
     runs = {HAND: baseline_call, FULL: real, COPY: real, UNFLATTEN: unflatten}
@@ -204,11 +205,10 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
                 samples[name].append(_per_call_us(runs[name], n))
             finally:
                 clocks.restore()
-            # Inclusive times: only `next_call` runs inside another stage (the
-            # rebuild), and it is reported as a part of it.
+            # Inclusive times (no stage runs inside another).
             spent = dict(clocks.incl)
             spent[MATCH] += spent.pop(MATCH + " ")
-            for stage in (*STAGES, NEXT_CALL):
+            for stage in STAGES:
                 samples[stage].append(1e6 * spent[stage] / n)
     # The best round of each: a fixed amount of CPU work, which the machine's
     # noise only ever lengthens (as `timeit` reports).

@@ -3,7 +3,7 @@
 import os as _os
 from importlib import metadata as _metadata
 
-from . import _jax, kinds as kinds, nn as nn
+from . import _jax, extend as extend, kinds as kinds
 from ._checkpoint._equinox import (
     deserialise_filter_spec as deserialise_filter_spec,
     serialise_filter_spec as serialise_filter_spec,
@@ -28,14 +28,20 @@ from ._checkpoint._state_dict import (
 from ._checkpoint._summary import Summary as Summary, summary as summary
 from ._core import _patches as _patches
 from ._core._index import is_state_index as is_state_index, StateIndex as StateIndex
-from ._core._inference import tree_inference as tree_inference
-from ._core._loops import while_loop as while_loop
 from ._core._ops import get_state as get_state, set_state as set_state
-from ._core._scan import scan as scan
 from ._core._slow import SlowPathWarning as SlowPathWarning
 from ._jit._wrapper import jit as jit
+from ._loops._scan import scan as scan
+from ._loops._while_loop import while_loop as while_loop
 from ._pure._pure import from_pure as from_pure, to_pure as to_pure
 from ._pure._shard_map import device_put as device_put, shard_map as shard_map
+from ._tree._inference import tree_inference as tree_inference
+
+
+# isort: split
+# Last: the layers are written with the names above and `jaxstate.extend`, as a
+# layer outside the package is.
+from . import nn as nn
 
 
 __version__ = _metadata.version("jaxstate")

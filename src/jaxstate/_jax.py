@@ -226,7 +226,7 @@ class _LazyRefImpl(_core.ArrayRefImpl):
         return self.__dict__["_buf"]
 
     @_buf.setter
-    def _buf(self, buf: Any) -> None:
+    def _buf(self, buf: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
         with self._lock:
             self._become_plain(buf)
 
@@ -295,7 +295,7 @@ def uncommitted(x: Any) -> Any:
     `ArrayImpl` is built from its type, its sharding and its per-device buffers
     (`x._arrays`), and is committed when told so. JAX has no public way to do
     this short of a copy through the host; a loaded checkpoint needs it (see
-    `_checkpoint/_values.py`, `place`)."""
+    `_tree/_values.py`, `place`)."""
     return _array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
 
 

@@ -152,7 +152,6 @@ def test_the_profile_splits_a_fast_path_call():
     assert b.error is None
     assert set(b.pieces) == {
         *P.STAGES,
-        P.NEXT_CALL,
         P.UNFLATTEN,
         P.COPY,
         P.FULL,

@@ -36,7 +36,12 @@ def _pages() -> list[Path]:
     # The site's home page is the README (docs/_hooks/hooks.py), whose code
     # tests/programs/test_readme.py runs; the layer guides' is run by
     # tests/programs/test_layer_docs.py.
-    return [DOCS / "getting-started.md", DOCS / "porting.md", DOCS / "deep-models.md"]
+    return [
+        DOCS / "getting-started.md",
+        DOCS / "porting.md",
+        DOCS / "deep-models.md",
+        DOCS / "extending.md",
+    ]
 
 
 def _blocks(page: Path) -> list[tuple[int, str]]:
@@ -74,6 +79,9 @@ def test_pages_exist_and_have_runnable_code():
     assert counts.get("porting.md", 0) >= 7
     # A stack trained with `jaxstate.scan`; per example; a layer split to scan it.
     assert counts.get("deep-models.md", 0) >= 3
+    # A ring buffer, a running quantile, an eager check (written with
+    # `jaxstate.extend`).
+    assert counts.get("extending.md", 0) >= 3
 
 
 def test_every_page_with_runnable_code_is_run():
@@ -117,8 +125,8 @@ def test_snippet_runs(page, line, source, tmp_path, monkeypatch):
 
 
 def test_api_reference_covers_every_public_name():
-    # Every public name of `jaxstate` and `jaxstate.nn` has a `::: jaxstate.X`
-    # entry on one of the API reference pages (docs/api/*.md).
+    # Every public name of `jaxstate`, `jaxstate.nn` and `jaxstate.extend` has a
+    # `::: jaxstate.X` entry on one of the API reference pages (docs/api/*.md).
     import types
 
     import jaxstate
@@ -128,7 +136,7 @@ def test_api_reference_covers_every_public_name():
         documented |= set(re.findall(r"^:::\s*(\S+)", page.read_text(), re.M))
     public = [
         f"{module.__name__}.{name}"
-        for module in (jaxstate, jaxstate.nn)
+        for module in (jaxstate, jaxstate.nn, jaxstate.extend)
         for name in vars(module)
         if not name.startswith("_")
         and not isinstance(getattr(module, name), types.ModuleType)

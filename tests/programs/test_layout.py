@@ -1,7 +1,9 @@
-"""The layout docs/design.md describes holds: no import circle between jaxstate's
-modules, no import inside a function, JAX's private parts reached only through
-`_jax.py`, no private name imported from another module, and the design's map names
-every file."""
+"""The layout docs/design.md describes holds: each folder builds only on the folders
+below it (the core at the bottom, the layers of `jaxstate.nn` on the public API and
+`jaxstate.extend` only, as a layer outside the package is written), no import circle
+between jaxstate's modules, no import inside a function, JAX's private parts reached
+only through `_jax.py`, no private name imported from another module, and the
+design's map names every file."""
 
 import ast
 import pathlib
@@ -79,14 +81,91 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# Which layer each module is in, and what each layer may import: its own modules
+# and those of the layers it builds on, never those above or beside it. The root
+# (`jaxstate/__init__.py`) gathers every layer's public names.
+BUILDS_ON: dict[str, set[str]] = {
+    "internals": set(),  # `_jax.py`, `_equinox.py`
+    "_core": {"internals"},
+    "_loops": {"internals", "_core"},
+    "_tree": {"internals", "_core"},
+    "_jit": {"internals", "_core"},
+    "_checkpoint": {"internals", "_core", "_tree"},
+    "_pure": {"internals", "_core", "_tree", "_jit"},
+    "public": {"_core"},  # `jaxstate.extend`, `jaxstate.kinds`
+    # Only what a layer outside the package has: the public names and
+    # `jaxstate.extend` (and `jaxstate.kinds`).
+    "nn": {"root", "public"},
+}
+
+
+def _layer(name: str) -> str:
+    if name == "jaxstate":
+        return "root"
+    if name in ("jaxstate._jax", "jaxstate._equinox"):
+        return "internals"
+    if name in ("jaxstate.extend", "jaxstate.kinds"):
+        return "public"
+    return name.split(".")[1]
+
+
+def _violations(graph: dict[str, set[str]]) -> list[str]:
+    """`module -> imported module` for each import against the layers."""
+    out = []
+    for name, targets in sorted(graph.items()):
+        layer = _layer(name)
+        if layer == "root":
+            continue
+        allowed = BUILDS_ON[layer] | {layer}
+        out += [f"{name} -> {t}" for t in sorted(targets) if _layer(t) not in allowed]
+    return out
+
+
 def test_the_modules_are_found():
     # (So that the tests below cannot pass by reading nothing.)
     assert {"jaxstate", "jaxstate._jax", "jaxstate._core._storage"} <= set(MODULES)
     assert "jaxstate._core._storage" in _graph()["jaxstate._core._access"]
 
 
+def test_every_module_is_in_a_layer():
+    assert {_layer(name) for name in MODULES} == {"root", *BUILDS_ON}
+
+
+def test_each_layer_builds_only_on_those_below_it():
+    assert _violations(_graph()) == []
+
+
+def test_an_import_against_the_layers_would_be_found():
+    graph = {
+        "jaxstate._core._access": {"jaxstate._core._storage"},
+        "jaxstate._checkpoint._reset": {"jaxstate.nn._util", "jaxstate._tree._walk"},
+        "jaxstate._pure._pure": {"jaxstate._checkpoint._walk"},
+        "jaxstate.nn._kv_cache": {"jaxstate._core._access", "jaxstate.extend"},
+    }
+    assert _violations(graph) == [
+        "jaxstate._checkpoint._reset -> jaxstate.nn._util",
+        "jaxstate._pure._pure -> jaxstate._checkpoint._walk",
+        "jaxstate.nn._kv_cache -> jaxstate._core._access",
+    ]
+
+
+def test_the_root_imports_the_layers_last():
+    # `jaxstate.nn` imports the public names from the root, which imports it
+    # last, once they are all bound: the one import circle, by design.
+    tree = ast.parse(MODULES["jaxstate"].read_text())
+    imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    last = imports[-1]
+    assert isinstance(last, ast.ImportFrom) and [a.name for a in last.names] == ["nn"]
+    assert all(alias.name != "nn" for node in imports[:-1] for alias in node.names)
+
+
 def test_no_import_circle():
-    assert _cycle(_graph()) is None
+    graph = _graph()
+    # (But the one of `test_the_root_imports_the_layers_last`.)
+    for name in graph:
+        if _layer(name) == "nn":
+            graph[name].discard("jaxstate")
+    assert _cycle(graph) is None
 
 
 def test_a_circle_would_be_found():
@@ -166,9 +245,13 @@ def test_a_private_equinox_import_would_be_found():
 def test_the_design_map_names_every_file():
     design = (ROOT / "docs" / "design.md").read_text()
     files = [
-        path.relative_to(SRC)
+        path.relative_to(SRC).as_posix()
         for path in SRC.rglob("*")
         if path.is_file() and path.suffix == ".py" and path.name != "__init__.py"
     ]
     assert len(files) > 20
-    assert [str(f) for f in files if f.name not in design] == []
+    assert [f for f in files if f"`{f}`" not in design] == []
+    # And names no file that is not there.
+    named = re.findall(r"^\| `([\w/]+\.py)` \|", design, re.M)
+    assert len(named) > 20
+    assert [f for f in named if f not in files and f != "__init__.py"] == []

@@ -55,11 +55,11 @@ from .._core._storage import (
     is_set,
     Storage,
 )
+from .._tree._values import check_value, is_key_dtype, key_impl, place, to_host
+from .._tree._walk import leaf_paths, walk, with_indices
 from ._files import atomic_write
 from ._load import Staged
 from ._reset import reset_value
-from ._values import check_value, is_key_dtype, key_impl, place, to_host
-from ._walk import leaf_paths, walk, with_indices
 
 
 #
@@ -297,7 +297,7 @@ def _write_state(writer: _Writer, f, index: StateIndex) -> None:
     storage = index._handle.get()
     sid = storage.id
     number = writer.start(f)
-    if not storage.persistent:
+    if not storage.traits.persistent:
         _header(f, _NOT_SAVED)
         return
     first = writer.numbers.get(sid)
@@ -332,7 +332,7 @@ def _read_state(reader: _Reader, f, index: StateIndex) -> StateIndex:
             f"{_describe(item)}: it was written without jaxstate's filter spec, or "
             "from another structure"
         )
-    if not storage.persistent:
+    if not storage.traits.persistent:
         # Left as it is, whatever the file holds (it may be from a time when the
         # state was saved); in an abstract `like`, where it has no value, a new
         # state starts from its reset value (see `_load.py`).

@@ -27,21 +27,11 @@ from .._core._buffers import commit
 from .._core._index import StateIndex, with_storage
 from .._core._kinds import matches
 from .._core._storage import holding_like, is_set, Storage
+from .._tree._values import check_value, for_state, place, same
+from .._tree._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
 from ._layers import group_layers, layer_of, stack_layers, Target
 from ._reset import reset_value
 from ._torch import torch_value, TorchLayout
-from ._values import check_value, place, same
-from ._walk import ArrayEntry, Contents, name_of, StateEntry, walk, with_indices
-
-
-def for_state(value: Any, ref: Any) -> Any:
-    """A checked value, ready to be written to a state's buffer `ref`."""
-    # The commit puts each value where the state's buffer is; across processes it
-    # needs a global array to start from, and an uncommitted buffer an uncommitted
-    # value (a committed one would commit the state).
-    if ref.sharding.is_fully_addressable and ref.committed:
-        return value
-    return place(value, ref)
 
 
 class Staged:
@@ -301,7 +291,8 @@ def load_mapping(
     unset = [
         name_of(path)
         for path, storage in contents.unset
-        if storage.persistent and matches(options.filter, name_of(path), storage.kind)
+        if storage.traits.persistent
+        and matches(options.filter, name_of(path), storage.traits.kind)
     ]
     unset_names = sorted(n for n in unexpected if _under(n, unset))
     if unset_names:

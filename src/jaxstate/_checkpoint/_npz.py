@@ -15,12 +15,12 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._core._checks import check_outside
+from .._tree._values import is_key_dtype, key_impl, to_host
+from .._tree._walk import walk
 from ._files import atomic_write
 from ._load import load_mapping, Options
 from ._safetensors import is_safetensors, read_safetensors, write_safetensors
 from ._torch import check_layout
-from ._values import is_key_dtype, key_impl, to_host
-from ._walk import walk
 
 
 _FORMAT = "jaxstate.save"

@@ -16,9 +16,9 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._core._checks import check_outside
+from .._tree._values import is_key_dtype, key_data_sharding, key_impl, key_shape
+from .._tree._walk import ArrayEntry, walk
 from ._load import load_mapping, Options
-from ._values import is_key_dtype, key_data_sharding, key_impl, key_shape
-from ._walk import ArrayEntry, walk
 
 
 def _is_empty(x) -> bool:

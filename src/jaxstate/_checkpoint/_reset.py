@@ -8,12 +8,12 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .. import _jax
+from .._core._access import read_stacked, write_stacked
 from .._core._buffers import commit
 from .._core._kinds import check_filter
 from .._core._storage import Storage
-from ..nn._util import read, write
-from ._values import is_key_dtype
-from ._walk import Contents, walk
+from .._tree._values import is_key_dtype
+from .._tree._walk import Contents, walk
 
 
 def _keep_all(spec: Any) -> bool:
@@ -23,7 +23,7 @@ def _keep_all(spec: Any) -> bool:
 def reset_value(storage: Storage, name: str, value: Any) -> Any:
     """`value` (the state of `storage`, named `name`, any batch axes in front) with
     the state's reset value written where its `reset=` gives a number."""
-    spec = storage.reset
+    spec = storage.traits.reset
 
     def fill(number, subtree):
         if number is None:
@@ -96,13 +96,16 @@ def reset(tree: PyTree, filter: Any) -> None:
             f"`{fn}`: {filter!r} selects no state (arrays are not reset): pass a "
             "kind of state, e.g. 'metric'."
         )
-    states = [e for e in states if not _keep_all(e.storage.reset)]
+    states = [e for e in states if not _keep_all(e.storage.traits.reset)]
     if not _jax.is_eager():
-        # Inside a trace: each state through `get_state`/`set_state`, as seen by
-        # this call (a failed trace runs nothing, so it changes nothing).
-        new = [(e, reset_value(e.storage, e.name, read(e.index))) for e in states]
+        # Inside a trace: each state's stacked value, as seen by this call (a
+        # failed trace runs nothing, so it changes nothing).
+        new = [
+            (e, reset_value(e.storage, e.name, read_stacked(e.index._handle, fn)))
+            for e in states
+        ]
         for entry, value in new:
-            write(entry.index, value)
+            write_stacked(entry.index._handle, value, fn)
         return
     # Eagerly: every new value first, then all of them at once.
     values = Contents(list(states), []).read()

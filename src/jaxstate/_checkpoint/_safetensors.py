@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._tree._values import is_key_dtype, key_impl, to_host
 from ._files import atomic_write
-from ._values import is_key_dtype, key_impl, to_host
 
 
 try:

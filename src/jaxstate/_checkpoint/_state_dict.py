@@ -7,10 +7,10 @@ from typing import Any
 from jaxtyping import Array, PyTree
 
 from .._core._checks import check_outside
+from .._tree._walk import walk
 from ._layers import check_per_layer, split_layers
 from ._load import load_mapping, Options
 from ._torch import check_layout, TorchLayout
-from ._walk import walk
 
 
 def state_dict(

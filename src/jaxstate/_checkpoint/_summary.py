@@ -9,8 +9,8 @@ from jaxtyping import PyTree
 
 from .. import _jax
 from .._core._kinds import matches, PARAMS
-from ._values import nbytes
-from ._walk import ArrayEntry, name_of, walk
+from .._tree._values import nbytes
+from .._tree._walk import ArrayEntry, name_of, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,9 +205,17 @@ def summary(tree: PyTree, filter: Any = ...) -> Summary:
             )
     for path, storage in contents.unset:
         name = name_of(path)
-        if matches(filter, name, storage.kind):
+        if matches(filter, name, storage.traits.kind):
             rows.append(
-                SummaryRow(name, storage.kind, None, None, 0, "-", storage.persistent)
+                SummaryRow(
+                    name,
+                    storage.traits.kind,
+                    None,
+                    None,
+                    0,
+                    "-",
+                    storage.traits.persistent,
+                )
             )
     totals: dict[str, KindTotal] = {}
     for row in rows:

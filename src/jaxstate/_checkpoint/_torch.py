@@ -8,7 +8,8 @@ differences from jaxstate's names, all decided by the model:
   `features.layers[0].weight`;
 - a BatchNorm's buffers are `running_mean`, `running_var` and `num_batches_tracked`
   (int64), where `jaxstate.nn.BatchNorm` keeps `batch_state[0]`, `batch_state[1]`
-  and `counter` (int32);
+  and `counter` (int32): a layer names its state's PyTorch buffers itself, with a
+  method `__torch_buffers__` (below), so that this module knows no layer;
 - a convolution's bias is `(out,)`, where Equinox keeps `(out, 1, ..., 1)`.
 
 Writing, the tree's modules say which names are which (`TorchLayout.export`).
@@ -21,7 +22,7 @@ fitted by shape (`torch_value`): a bias reshaped, an integer cast.
 import itertools
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -29,24 +30,49 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ..nn._batch_norm import BatchNorm
+from .._core._index import StateIndex
+from .._tree._values import to_host
+from .._tree._walk import name_of
 from ._layers import layer_of
-from ._values import to_host
-from ._walk import name_of
 
 
 LAYOUTS = ("torch",)
 
-# `jaxstate.nn.BatchNorm`'s state leaves, and PyTorch's buffers.
-_BUFFERS = {
-    "batch_state[0]": "running_mean",
-    "batch_state[1]": "running_var",
-    "counter": "num_batches_tracked",
-}
-_THEIRS = {theirs: ours for ours, theirs in _BUFFERS.items()}
-# The modes whose running statistics inference uses as they are, as PyTorch's.
-_TORCH_MODES = ("torch", "flax", "debiased")
 _INDEX = re.compile(r"\[(\d+)\]")
+
+# A layer whose state PyTorch keeps as buffers of other names (a BatchNorm's running
+# statistics) has a method `__torch_buffers__(self)`, which returns:
+#
+# - a dict from the name of each of its state's leaves that has a PyTorch buffer
+#   (relative to the layer, as in `state_dict`: `"batch_state[0]"`) to PyTorch's
+#   name of the buffer (`"running_mean"`), in PyTorch's order;
+# - `None`, or, when this layer's state has no PyTorch counterpart (a BatchNorm of
+#   another mode), the end of a sentence "the BatchNorm at 'bn' ..." saying why
+#   and what to do: raised when one of its state's entries is written or read.
+#
+# PyTorch's integer buffers are int64.
+_HOOK = "__torch_buffers__"
+
+
+class _Layer(NamedTuple):
+    """A layer with PyTorch buffers, as `__torch_buffers__` describes it."""
+
+    what: str  # the layer's class name, for messages
+    names: dict[str, str]  # its state's leaves' names -> PyTorch's buffers' names
+    problem: str | None
+    states: tuple[str, ...]  # the names of its indices
+
+
+def _layer(layer: Any) -> _Layer:
+    names, problem = getattr(layer, _HOOK)()
+    states = tuple(
+        name_of(path)
+        for path, leaf in jtu.tree_flatten_with_path(
+            layer, is_leaf=lambda x: isinstance(x, StateIndex)
+        )[0]
+        if isinstance(leaf, StateIndex)
+    )
+    return _Layer(type(layer).__name__, dict(names), problem, states)
 
 
 def check_layout(layout: Any, fn: str) -> None:
@@ -62,7 +88,7 @@ def _join(path: str, rest: str) -> str:
 
 
 def _is_module(x) -> bool:
-    return isinstance(x, (BatchNorm, eqx.nn.Sequential, eqx.nn.Conv))
+    return hasattr(type(x), _HOOK) or isinstance(x, (eqx.nn.Sequential, eqx.nn.Conv))
 
 
 class TorchLayout:
@@ -70,46 +96,50 @@ class TorchLayout:
 
     def __init__(self, tree: Any, fn: str):
         self.fn = fn
-        self.batch_norms: dict[str, str] = {}  # path -> mode
+        self.layers: dict[str, _Layer] = {}  # path -> its PyTorch buffers
         self.sequentials: list[str] = []
         self.convs: dict[str, int] = {}  # path -> number of spatial axes
         self._visit(tree, ())
+        # PyTorch's buffers' names -> the layers' state's names.
+        self.theirs: dict[str, list[str]] = {}
+        for layer in self.layers.values():
+            for ours, theirs in layer.names.items():
+                if ours not in self.theirs.setdefault(theirs, []):
+                    self.theirs[theirs].append(ours)
 
     def _visit(self, node: Any, prefix: tuple) -> None:
         for path, leaf in jtu.tree_flatten_with_path(node, is_leaf=_is_module)[0]:
             path = (*prefix, *path)
-            if isinstance(leaf, BatchNorm):
-                self.batch_norms[name_of(path)] = leaf.mode
+            if hasattr(type(leaf), _HOOK):
+                self.layers[name_of(path)] = _layer(leaf)
             elif isinstance(leaf, eqx.nn.Sequential):
                 self.sequentials.append(name_of(path))
                 self._visit(leaf.layers, (*path, jtu.GetAttrKey("layers")))
             elif isinstance(leaf, eqx.nn.Conv):
                 self.convs[name_of(path)] = leaf.num_spatial_dims
 
-    def _check_mode(self, path: str) -> None:
-        mode = self.batch_norms[path]
-        if mode not in _TORCH_MODES:
+    def _check(self, path: str) -> None:
+        layer = self.layers[path]
+        if layer.problem is not None:
             raise ValueError(
-                f"{self.fn}: the BatchNorm at {path or 'the top'!r} has mode={mode!r}, "
-                "whose statistics PyTorch's running_mean and running_var do not "
-                "hold: build it with mode='torch', 'flax' or 'debiased'."
+                f"{self.fn}: the {layer.what} at {path or 'the top'!r} {layer.problem}"
             )
 
     def _buffer(self, name: str) -> tuple[str, str] | None:
-        """`(BatchNorm path, PyTorch's buffer)` if `name` is a BatchNorm's state."""
-        for path in self.batch_norms:
-            for ours, theirs in _BUFFERS.items():
+        """`(layer's path, PyTorch's buffer)` if `name` is a layer's buffer."""
+        for path, layer in self.layers.items():
+            for ours, theirs in layer.names.items():
                 if name == _join(path, ours):
                     return path, theirs
-            if name.startswith((_join(path, "ema_state"), _join(path, "first_time"))):
-                self._check_mode(path)
+            if name.startswith(tuple(_join(path, s) for s in layer.states)):
+                self._check(path)
         return None
 
     def torch_name(self, name: str) -> str:
         """PyTorch's name for the entry `name` of the tree (or a module path)."""
         found = self._buffer(name)
         if found is not None:
-            self._check_mode(found[0])
+            self._check(found[0])
             name = _join(found[0], found[1])
         # Innermost first: a Sequential inside a Sequential is under its path.
         for path in sorted(self.sequentials, key=len, reverse=True):
@@ -121,14 +151,21 @@ class TorchLayout:
     def export(self, items: dict[str, Any]) -> dict[str, Any]:
         """`items` (a `state_dict` of the tree) under PyTorch's names and layouts."""
         out: dict[str, Any] = {}
-        # A BatchNorm's counter comes before its statistics in jaxstate's order,
-        # after them in PyTorch's: it waits for its running variance.
-        counters: dict[str, tuple[str, Any]] = {}
+        # A layer's buffers come in PyTorch's order (a BatchNorm's counter comes
+        # before its statistics in jaxstate's, after them in PyTorch's): each
+        # waits until the layer's last has come.
+        waiting: dict[str, dict[str, tuple[str, Any]]] = {}
         for name, value in items.items():
             new = self.torch_name(name)
             found = self._buffer(name)
-            if found is not None and found[1] == "num_batches_tracked":
-                counters[found[0]] = (new, to_host(value).astype(np.int64))
+            if found is not None:
+                path, theirs = found
+                if jnp.issubdtype(value.dtype, jnp.integer):
+                    value = to_host(value).astype(np.int64)
+                buffers = waiting.setdefault(path, {})
+                buffers[theirs] = (new, value)
+                if len(buffers) == len(self.layers[path].names):
+                    self._add_buffers(out, path, waiting.pop(path))
                 continue
             for path, spatial in self.convs.items():
                 if name == _join(path, "bias") and spatial:
@@ -136,15 +173,18 @@ class TorchLayout:
                     if shape[len(shape) - spatial :] == (1,) * spatial:
                         value = value.reshape(shape[: len(shape) - spatial])
             self._add(out, new, value)
-            if found is not None and found[1] == "running_var":
-                self._add(out, *counters.pop(found[0], (None, None)))
-        for new, value in counters.values():
-            self._add(out, new, value)
+        for path, buffers in waiting.items():
+            self._add_buffers(out, path, buffers)
         return out
 
-    def _add(self, out: dict[str, Any], new: str | None, value: Any) -> None:
-        if new is None:
-            return
+    def _add_buffers(
+        self, out: dict[str, Any], path: str, buffers: dict[str, tuple[str, Any]]
+    ) -> None:
+        for theirs in self.layers[path].names.values():
+            if theirs in buffers:
+                self._add(out, *buffers[theirs])
+
+    def _add(self, out: dict[str, Any], new: str, value: Any) -> None:
         if new in out:
             raise ValueError(
                 f"{self.fn}: two entries have PyTorch's name {new!r}. Rename one of "
@@ -180,8 +220,8 @@ class TorchLayout:
             dot = "." if i else ""
             if token.isdigit():
                 options.append([f"[{token}]", f"{dot}layers[{token}]"])
-            elif i == len(tokens) - 1 and token in _THEIRS:
-                options.append([dot + _THEIRS[token], dot + token])
+            elif i == len(tokens) - 1 and token in self.theirs:
+                options.append([dot + o for o in self.theirs[token]] + [dot + token])
             else:
                 options.append([dot + token])
         plain = "".join(o[0] for o in options)
@@ -190,19 +230,20 @@ class TorchLayout:
             stacked = resolve(candidate)
             if stacked is None:
                 continue
-            if tokens[-1] in _THEIRS:
-                for path in self.batch_norms:
-                    if stacked == _join(path, _THEIRS[tokens[-1]]):
-                        self._check_mode(path)
+            for path, layer in self.layers.items():
+                for ours in self.theirs.get(tokens[-1], ()):
+                    if ours in layer.names and stacked == _join(path, ours):
+                        self._check(path)
             return candidate
-        if tokens[-1] in _THEIRS:
-            # A BatchNorm's buffer that matches nothing: a mode without them?
+        if tokens[-1] in self.theirs:
+            # A layer's buffer that matches nothing: a layer without them (a
+            # BatchNorm of another mode)?
             for choice in itertools.product(*options[:-1]):
                 module = "".join(choice)
-                found = layer_of(module, self.batch_norms)
+                found = layer_of(module, self.layers)
                 path = module if found is None else found.stacked
-                if path in self.batch_norms:
-                    self._check_mode(path)
+                if path in self.layers:
+                    self._check(path)
         return plain
 
 

@@ -1,8 +1,11 @@
 """Reading and writing one state, wherever the call happens: eagerly (a snapshot or
 a commit of its buffers), at the top level of a `jaxstate.jit` trace (a plain
 value), or inside any other trace (through its references and the vmap
-primitives). `get_state`/`set_state` and `StateIndex`'s methods are thin layers over
-these; they take the index's `Handle`.
+primitives). Two views of the state: one vmap member's (`read`, `write`, and
+`write_rows` for a few rows of it), and the stacked value (`read_stacked`,
+`write_stacked`: the batch axes that no vmap around the call takes in front).
+`_ops.py` (`get_state`, `set_state` and the extension API) and `StateIndex`'s
+methods are thin layers over these; they take the index's `Handle`.
 """
 
 from typing import Any
@@ -14,9 +17,9 @@ import jax.tree_util as jtu
 
 from .. import _jax
 from ._buffers import commit, snapshot
-from ._checks import array_leaves, check_fits
+from ._checks import array_leaves, aval_text, check_fits
 from ._context import note_reached, resolve
-from ._create import create
+from ._create import stored_by_creating
 from ._local import at_top, LocalRef, SliceRef
 from ._slow import note_reference_path
 from ._storage import (
@@ -29,7 +32,13 @@ from ._storage import (
     Key,
     Storage,
 )
-from ._vmap import check_vmaps, read as read_member, traced_for, write as write_member
+from ._vmap import (
+    check_vmaps,
+    member_value,
+    stacked_value,
+    traced_for,
+    vmap_sizes,
+)
 
 
 _IN_SHARD_MAP = (
@@ -52,7 +61,7 @@ _PLAIN_SCAN = (
 )
 
 
-def _not_set(storage: Storage) -> RuntimeError:
+def not_set(storage: Storage) -> RuntimeError:
     if is_abstract(storage):
         return RuntimeError(
             f"This state has no value, only a structure: it is abstract, as the "
@@ -110,7 +119,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
     storage = resolve(handle)
     note_reached(storage)
     leaves, treedef = array_leaves(state, fn, "state")
-    if not is_set(storage) and create(storage, leaves, treedef, fn):
+    if not is_set(storage) and stored_by_creating(storage, leaves, treedef, fn):
         return
     check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
     assert storage.refs is not None
@@ -127,7 +136,7 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         # Build every stacked value before writing any, so that a failure leaves
         # the stored state untouched.
         values = [
-            write_member(lax.stop_gradient(jnp.asarray(leaf)), storage.batch_shape)
+            stacked_value(lax.stop_gradient(jnp.asarray(leaf)), storage.batch_shape)
             for leaf in leaves
         ]
     for ref, value in zip(storage.refs, values, strict=True):
@@ -136,44 +145,94 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         storage.pending.flag[...] = True
 
 
-def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> Any:
-    """`write(handle, state, fn)`, where `state` is the stored value with only some
-    rows changed: `rows` (per leaf, `n` entries along the leaf's first axis, which
-    must fit from `start`) at `start` (an integer scalar). Returns the state after
-    the write, as `read` does.
+def _check_rows(storage: Storage, leaves: list, treedef, fn: str) -> int:
+    """Checks `rows` (`leaves` of structure `treedef`) against a set state: its
+    structure, and for each leaf the state's dtype and shape past the first axis,
+    with the same number of rows for every leaf, at most the state's. Returns that
+    number."""
+    what = f"`rows` passed to `{fn}`"
+    if treedef != storage.treedef:
+        raise RuntimeError(
+            f"{what} has PyTree structure {treedef}, but the stored state has "
+            f"structure {storage.treedef}."
+        )
+    counts = set()
+    for i, (leaf, aval) in enumerate(zip(leaves, storage.member_avals, strict=True)):
+        shape = tuple(jnp.shape(leaf))
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+        want = tuple(aval.shape)
+        if (
+            dtype != aval.dtype
+            or not shape
+            or not want
+            or shape[1:] != want[1:]
+            or not 1 <= shape[0] <= want[0]
+        ):
+            raise RuntimeError(
+                f"{what} has a leaf {i} of {aval_text(shape, dtype)}, but the state's "
+                f"leaf is {aval_text(want, aval.dtype)}: rows are entries along its "
+                "first axis, of its dtype (cast them first)."
+            )
+        counts.add(shape[0])
+    if len(counts) > 1:
+        raise RuntimeError(
+            f"{what} has {sorted(counts)} rows in different leaves: give every leaf "
+            "the same number."
+        )
+    return counts.pop() if counts else 0
+
+
+def _with_rows(state: Any, rows: Any, start: Any) -> Any:
+    """`state` with `rows` written from `start` along each leaf's first axis."""
+
+    def put(leaf, row):
+        zero = jnp.zeros_like(start)
+        return lax.dynamic_update_slice(leaf, row, (start, *[zero] * (leaf.ndim - 1)))
+
+    return jtu.tree_map(put, state, rows)
+
+
+def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
+    """Writes `rows` into the state of `handle` (one vmap member's): per leaf, `n`
+    entries along its first axis, from `start` (an integer scalar, clamped so that
+    they fit every leaf). Returns the state after the write, as `read` does.
 
     Through references, only those rows are written, in place, and the state is
     read again after: writing the whole value back, or using a value read before
-    the write after it, makes XLA copy the buffer (the whole stacked buffer, on
-    a layer's slice under `jaxstate.scan`). Elsewhere `state` is written, and
-    returned."""
+    the write after it, makes XLA copy the buffer (the whole stacked buffer, on a
+    layer's slice under `jaxstate.scan`). Elsewhere (eagerly, at the top level of a
+    `jaxstate.jit` trace, under an explicit mesh) the whole new value is written."""
     storage = resolve(handle)
+    if not is_set(storage):
+        raise not_set(storage)
     refs = storage.refs
+    assert refs is not None
+    row_leaves, treedef = array_leaves(rows, fn, "rows")
+    n = _check_rows(storage, row_leaves, treedef, fn)
+    # Clamped as `lax.dynamic_update_slice` clamps it, to fit every leaf.
+    length = min((a.shape[0] for a in storage.member_avals), default=n)
+    start = jnp.clip(jnp.asarray(start), 0, length - n)
     if (
         _jax.is_eager()
-        or not is_set(storage)
-        or refs is None
         or at_top(storage)
         or any(_jax.is_explicit(_stored_aval(ref).sharding) for ref in refs)
         # A layer's slice of an ensemble of stacks built members first: the rows
         # would be indexed around the layer axis, which JAX's indexing moves.
         or any(isinstance(ref, SliceRef) and not ref.leading for ref in refs)
     ):
+        state = _with_rows(read(handle, None, fn), rows, start)
         write(handle, state, fn)
         return state
     note_reached(storage)
-    leaves, treedef = array_leaves(state, fn, "state")
-    check_fits(storage, leaves, treedef, f"`state` passed to `{fn}`")
-    row_leaves = jtu.tree_leaves(rows)
     check_not_scanned(handle, storage, fn)
     check_vmaps(storage.batch_shape, fn)
     check_traced(handle, storage, fn)
     batch_shape = storage.batch_shape
-    first = write_member(lax.stop_gradient(jnp.asarray(start)), batch_shape)
+    first = stacked_value(lax.stop_gradient(start), batch_shape)
     values = [
-        write_member(lax.stop_gradient(jnp.asarray(r)), batch_shape) for r in row_leaves
+        stacked_value(lax.stop_gradient(jnp.asarray(r)), batch_shape)
+        for r in row_leaves
     ]
-    n = jnp.shape(row_leaves[0])[0]
     if batch_shape:
         # Each member's rows from its own start: one scatter.
         members = [g[..., None] for g in jnp.indices(batch_shape, sparse=True)]
@@ -183,9 +242,8 @@ def write_rows(handle: Handle, state: Any, rows: Any, start: Any, fn: str) -> An
         index = (*members, first[..., None] + rows_at)
     else:
         index = (_jax.dynamic_slice(first, n),)
-    for ref, value, leaf in zip(refs, values, leaves, strict=True):
-        assert jnp.shape(value)[len(batch_shape) + 1 :] == jnp.shape(leaf)[1:]
-        ref[index] = value.astype(ref.dtype)
+    for ref, value in zip(refs, values, strict=True):
+        ref[index] = value
     if storage.pending is not None:
         storage.pending.flag[...] = True
     return read(handle, None, fn)
@@ -202,7 +260,7 @@ def read(handle: Handle, like: Any, fn: str) -> Any:
     storage = resolve(handle)
     note_reached(storage)
     if not is_set(storage):
-        raise _not_set(storage)
+        raise not_set(storage)
     assert storage.refs is not None
     like_leaves = None
     if like is not None:
@@ -219,16 +277,18 @@ def read(handle: Handle, like: Any, fn: str) -> Any:
         raise RuntimeError(_IN_WHILE_COND)
     likes = like_leaves or [None] * len(storage.refs)
     out = [
-        lax.stop_gradient(read_member(ref[...], like, storage.batch_shape))
+        lax.stop_gradient(member_value(ref[...], like, storage.batch_shape))
         for ref, like in zip(storage.refs, likes, strict=True)
     ]
     return jtu.tree_unflatten(storage.treedef, out)
 
 
-def _eager_storage(handle: Handle, fn: str) -> Storage:
-    storage = handle.get()
+def check_eager(handle: Handle, fn: str) -> Storage:
+    """The storage of a set state, for `fn`, which reads or writes its stored value
+    directly (`StateIndex.unsafe_get`, `unsafe_set`): eagerly only."""
+    storage = resolve(handle)
     if not is_set(storage):
-        raise _not_set(storage)
+        raise not_set(storage)
     if not _jax.is_eager():
         raise RuntimeError(
             f"`{fn}` works only outside jit, vmap and grad; inside them use "
@@ -237,16 +297,49 @@ def _eager_storage(handle: Handle, fn: str) -> Storage:
     return storage
 
 
+#
+# The stacked value: the state with the batch axes of the vmaps around the call
+# sliced off (each member sees its own slice of those), the others in front. Eagerly
+# no vmap is around: the whole stored value. Inside a trace, `read` and `write` under
+# one vmap per batch axis that none around the call takes.
+#
+
+
+def stacked_axes(handle: Handle) -> tuple[int, ...]:
+    """The sizes of the state's batch axes that no vmap around the call takes,
+    outermost first: those the stacked value has in front."""
+    batch_shape = resolve(handle).batch_shape
+    return tuple(batch_shape[len(vmap_sizes()) :])
+
+
+def shared_vmaps(handle: Handle) -> int:
+    """How many of the vmaps around the call the state has no batch axis for (0
+    eagerly): their members all see one value, and a write must not differ across
+    them."""
+    return max(0, len(vmap_sizes()) - len(resolve(handle).batch_shape))
+
+
 def read_stacked(handle: Handle, fn: str) -> Any:
-    """The whole stored value, batch axes first (eagerly only)."""
-    storage = _eager_storage(handle, fn)
-    (values,) = snapshot([storage])
-    return jtu.tree_unflatten(storage.treedef, values)
+    """The stacked value of the state of `handle`."""
+    if _jax.is_eager():
+        storage = check_eager(handle, fn)
+        (values,) = snapshot([storage])
+        return jtu.tree_unflatten(storage.treedef, values)
+    read_one = lambda: read(handle, None, fn)
+    for size in reversed(stacked_axes(handle)):
+        read_one = jax.vmap(read_one, axis_size=size)
+    return read_one()
 
 
 def write_stacked(handle: Handle, value: Any, fn: str) -> None:
-    """Replaces the whole stored value, batch axes first (eagerly only)."""
-    storage = _eager_storage(handle, fn)
-    leaves, treedef = array_leaves(value, fn, "value")
-    check_fits(storage, leaves, treedef, f"`value` passed to `{fn}`", stacked=True)
-    commit([(storage, leaves)])
+    """Replaces the stacked value of the state of `handle`."""
+    if _jax.is_eager():
+        storage = check_eager(handle, fn)
+        leaves, treedef = array_leaves(value, fn, "value")
+        check_fits(storage, leaves, treedef, f"`value` passed to `{fn}`", stacked=True)
+        commit([(storage, leaves)])
+        return
+    write_one = lambda v: write(handle, v, fn)
+    for size in reversed(stacked_axes(handle)):
+        write_one = jax.vmap(write_one, axis_size=size)
+    write_one(value)

@@ -34,11 +34,11 @@ def _install(storage: Storage, refs, treedef, avals, batch_shape, pending) -> No
     storage.refs = refs  # last: `refs` set means "has a structure"
 
 
-def create(storage: Storage, leaves: list, treedef, fn: str) -> bool:
-    """The first set of `storage` (or of the storage it stands in for).
-
-    Returns `True` if the value is stored (eagerly), `False` if the caller must now
-    write it as an ordinary traced write (the references exist, pending).
+def stored_by_creating(storage: Storage, leaves: list, treedef, fn: str) -> bool:
+    """The first set of `storage` (or of the storage it stands in for): makes its
+    references. Returns whether that stored the value too (eagerly); if not
+    (inside a trace: the references exist, pending), the caller writes it as an
+    ordinary traced write.
     """
     target = storage.real or storage
     if only_eager_vmaps():

@@ -142,8 +142,33 @@ _BOOLS = (bool, np.bool_)
 jtu.register_pytree_node(FlagHolder, _flatten, _unflatten)
 
 
-def to_holder(value: Any) -> FlagHolder:
-    """Converter for `_inference` fields: a bool (or a flag) in a holder."""
+def to_flag(value: Any) -> FlagHolder:
+    """The converter of a layer's `_inference` field, which keeps its `inference`
+    flag: a Python bool becomes a flag that behaves as one (`if self.inference:`)
+    but is tree structure, not a leaf, so that plain `jax.jit` does not trace it,
+    in a holder that [`jaxstate.tree_inference`][] and `eqx.nn.inference_mode`
+    switch without changing the model's tree structure. Read the flag through
+    `inference = jaxstate.extend.inference_property`.
+
+    **Arguments:**
+
+    - `value`: the flag's value (a bool, or a flag).
+
+    **Returns:**
+
+    The holder (a `FlagHolder`) of the flag.
+
+    !!! example
+
+        ```python
+        class Noisy(eqx.Module):
+            _inference: FlagHolder = eqx.field(converter=jaxstate.extend.to_flag)
+            inference = jaxstate.extend.inference_property
+
+            def __init__(self, inference: bool = False):
+                self._inference = jaxstate.extend.to_flag(inference)
+        ```
+    """
     if type(value) is FlagHolder:
         return value
     return FlagHolder(value)
@@ -166,7 +191,26 @@ the field holds the flag's `FlagHolder`."""
 
 
 def flag_value(value: Any, what: str) -> bool:
-    """Reads an `inference` field as a Python bool, or explains why it cannot."""
+    """Reads an `inference` field as a Python bool, or explains why it cannot.
+
+    **Arguments:**
+
+    - `value`: the field's value (a flag made by
+        [`jaxstate.extend.to_flag`][], or a bool).
+    - `what`: the layer's name, for the message.
+
+    **Returns:**
+
+    The bool.
+
+    **Raises:**
+
+    `RuntimeError` for a traced flag (`eqx.nn.inference_mode` stores a bool, which
+    `jax.jit` traces), naming the fix; `TypeError` for anything else that is not
+    a bool.
+    """
+    if isinstance(value, FlagHolder):
+        value = value.flag
     if isinstance(value, Flag):
         return value.value
     if isinstance(value, (bool, np.bool_)):

@@ -5,10 +5,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._access import read_stacked, write, write_stacked
-from ._flag import Flag, flag_value, FlagHolder, inference_property, to_holder
+from ._access import check_eager, read_stacked, write, write_stacked
+from ._flag import Flag, flag_value, FlagHolder, inference_property, to_flag
 from ._kinds import check_kind
-from ._storage import Handle, is_set, Storage, with_traits
+from ._storage import Handle, is_set, Storage, Traits
 
 
 _T = TypeVar("_T")
@@ -52,7 +52,7 @@ class StateIndex(eqx.Module, Generic[_T]):
 
     _handle: Handle = eqx.field(repr=False)
     # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_holder)
+    _inference: FlagHolder = eqx.field(converter=to_flag)
     inference = inference_property
 
     def __init__(
@@ -102,8 +102,8 @@ class StateIndex(eqx.Module, Generic[_T]):
         check_kind(kind, "StateIndex")
         check_reset(reset)
         self._handle = Handle.new()
-        self._inference = to_holder(inference)
-        with_traits(self._handle.get(), (kind, bool(persistent), reset))
+        self._inference = to_flag(inference)
+        self._handle.get().traits = Traits(kind, bool(persistent), reset)
         if init is not None:
             write(self._handle, init, "StateIndex(init=...)")
 
@@ -122,6 +122,7 @@ class StateIndex(eqx.Module, Generic[_T]):
 
         A `RuntimeError` if no state has been set, or if called inside a transform.
         """
+        check_eager(self._handle, "StateIndex.unsafe_get")
         return read_stacked(self._handle, "StateIndex.unsafe_get")
 
     def unsafe_set(self, value: PyTree[ArrayLike]) -> None:
@@ -137,6 +138,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         included) or a dtype differs from the stored state. On error nothing is
         written.
         """
+        check_eager(self._handle, "StateIndex.unsafe_set")
         write_stacked(self._handle, value, "StateIndex.unsafe_set")
 
     def __repr__(self) -> str:
@@ -149,9 +151,9 @@ class StateIndex(eqx.Module, Generic[_T]):
             # raises the explanation.
             inference = self.inference
         traits = ""
-        if storage is not None and storage.kind != "state":
-            traits += f"kind={storage.kind!r}, "
-        if storage is not None and not storage.persistent:
+        if storage is not None and storage.traits.kind != "state":
+            traits += f"kind={storage.traits.kind!r}, "
+        if storage is not None and not storage.traits.persistent:
             traits += "persistent=False, "
         return f"StateIndex(inference={inference!r}, {traits}{what})"
 
@@ -163,6 +165,35 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     object.__setattr__(new, "_handle", index._handle)
     object.__setattr__(new, "_inference", FlagHolder(value))
     return new
+
+
+def writable(index: StateIndex) -> StateIndex:
+    """`index`, or, if it is in inference mode, a copy of it in training mode (the
+    same state): for state that inference writes too.
+
+    Inference mode (`jaxstate.tree_inference`) freezes training state, such as a
+    BatchNorm's statistics. A random stream, a metric or a cache is no training
+    state: a model in inference mode still draws keys, counts and decodes. Write
+    such state through `writable(index)`.
+
+    **Arguments:**
+
+    - `index`: a [`jaxstate.StateIndex`][].
+
+    **Returns:**
+
+    A `StateIndex` of the same state, in training mode.
+
+    !!! example
+
+        ```python
+        jaxstate.set_state(jaxstate.extend.writable(self.count), n + 1)
+        ```
+    """
+    check_index(index, "writable")
+    if flag_value(index.inference, "StateIndex"):
+        return with_inference(index, False)
+    return index
 
 
 def check_reset(reset: Any) -> None:

@@ -74,8 +74,8 @@ class SliceRef:
     `ref[idx]` with a tuple `idx`), on one slice of a reference: entry `index`
     (a traced integer) of its axis `axis`, that axis gone. `jaxstate.scan` gives
     each iteration's body its layer's slice of a stacked state with these
-    (`_scan.py`): the layer axis is the first, or comes after the axes of the
-    vmaps around the scan (an ensemble of stacks, members first)."""
+    (`_loops/_scan.py`): the layer axis is the first, or comes after the axes of
+    the vmaps around the scan (an ensemble of stacks, members first)."""
 
     __slots__ = ("ref", "select")
 

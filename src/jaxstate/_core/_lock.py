@@ -211,7 +211,7 @@ class _Section:
         self.deferred: Any = None  # an interrupt that came during them
 
 
-_local = _Section()
+_sections = _Section()
 _main = threading.main_thread().ident
 # `_signal.getsignal`: `signal.getsignal` also converts the handler to an enum,
 # which costs more than the rest of a call's bookkeeping.
@@ -226,8 +226,8 @@ class _Deferring:
         self.previous = previous
 
     def __call__(self, signum, frame):
-        if _local.depth:
-            _local.deferred = (signum, frame)
+        if _sections.depth:
+            _sections.deferred = (signum, frame)
             return
         return self.previous(signum, frame)
 
@@ -250,7 +250,7 @@ def enter_critical() -> bool:
         return False
     if type(_getsignal(_SIGINT)) is not _Deferring and not _install():
         return False
-    _local.depth += 1
+    _sections.depth += 1
     return True
 
 
@@ -258,10 +258,10 @@ def exit_critical(opened: bool) -> None:
     """Closes a section, raising an interrupt that came during it."""
     if not opened:
         return
-    _local.depth -= 1
-    deferred = _local.deferred
-    if deferred is not None and _local.depth == 0:
-        _local.deferred = None
+    _sections.depth -= 1
+    deferred = _sections.deferred
+    if deferred is not None and _sections.depth == 0:
+        _sections.deferred = None
         handler = _getsignal(_SIGINT)
         if isinstance(handler, _Deferring):
             handler.previous(*deferred)

@@ -6,7 +6,7 @@ and docs/design.md, "Lifetime" (why keys are strong, then weak).
 import copy
 import itertools
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.tree_util as jtu
@@ -19,6 +19,17 @@ from ._context import root_trace
 _ids = itertools.count()
 
 _signature_ids: dict[Any, int] = {}
+
+
+class Traits(NamedTuple):
+    """What a state is, apart from its value, given by `StateIndex(...)`: its kind
+    (`_kinds.py`), whether checkpoints hold it, and what `jaxstate.reset` writes (a
+    prefix of its structure, with a fill value, a Python scalar, or `None`, keep,
+    at each leaf)."""
+
+    kind: str = "state"
+    persistent: bool = True
+    reset: Any = 0
 
 
 class Storage:
@@ -43,9 +54,8 @@ class Storage:
         "jits",
         "traced",
         "young",
-        "kind",
-        "persistent",
-        "reset",
+        "traits",
+        "kept",
         "__weakref__",
     )
 
@@ -64,20 +74,17 @@ class Storage:
         # and the storage it stands in for.
         self.top: Any = None
         self.real: Storage | None = None
-        # `jaxstate.jit` programs for models holding this index in a static field
-        # (see `_jit._JitWrapper._compiled_static`): they live as long as it does.
-        self.jits: list = []
         # First set inside a trace: the compiled program holds its references, and
         # its output structure holds the storage (see `Key`).
         self.traced = False
         # Created inside a transform and not yet seen by eager code (see `Key`).
         self.young = not _jax.is_eager()
-        # What the state is (`_kinds.py`), whether checkpoints hold it, and what
-        # `jaxstate.reset` writes: a prefix of its structure, with a fill value
-        # (a Python scalar) or `None` (keep) at each leaf.
-        self.kind = "state"
-        self.persistent = True
-        self.reset: Any = 0
+        self.traits = Traits()
+        # What must live exactly as long as the state: `jaxstate.jit`'s programs
+        # for models holding its index in a static field, whose keys hold it (see
+        # `_JitWrapper._program` in `_jit/_wrapper.py`). On the storage, so that
+        # the cycle is collected with it.
+        self.kept: list = []
 
     @property
     def signature_id(self) -> int:
@@ -98,7 +105,7 @@ class Storage:
         `refs=None` for a state that has no value yet."""
         self = cls()
         self.real = real
-        self.kind, self.persistent, self.reset = real.kind, real.persistent, real.reset
+        self.traits = real.traits
         if refs is not None:
             k = len(real.batch_shape)
             self.treedef = real.treedef
@@ -116,11 +123,11 @@ class Storage:
     # the storage once).
     def __deepcopy__(self, memo) -> "Storage":
         _check_eager("`copy.deepcopy` of")
-        return _restore(_payload(self), traits(self))
+        return _restore(_payload(self), tuple(self.traits))
 
     def __reduce__(self):
         _check_eager("Pickling")
-        return _restore, (_payload(self), traits(self))
+        return _restore, (_payload(self), tuple(self.traits))
 
     def describe(self) -> str:
         if self.refs is None:
@@ -218,22 +225,11 @@ def _payload(storage: Storage) -> Any:
     return storage.treedef, storage.member_avals, storage.batch_shape, values
 
 
-def traits(storage: Storage) -> tuple:
-    """What a state is, apart from its value: its kind, whether it is persistent,
-    its reset value."""
-    return storage.kind, storage.persistent, storage.reset
-
-
-def with_traits(storage: Storage, given: tuple) -> Storage:
-    """`storage`, with the traits `given` (as `traits` gives them)."""
-    storage.kind, storage.persistent, storage.reset = given
-    return storage
-
-
 def _restore(payload: Any, given: tuple = ("state", True, 0)) -> Storage:
     # (`given` is absent from pickles made before states had traits.)
     storage = Storage() if payload is None else holding(*payload)
-    return with_traits(storage, given)
+    storage.traits = Traits(*given)
+    return storage
 
 
 def holding(treedef, avals, batch_shape, values: list) -> Storage:
@@ -262,7 +258,8 @@ def holding_like(template: Storage, values: list) -> Storage:
     storage.member_avals = template.member_avals
     storage.batch_shape = template.batch_shape
     storage.refs = refs
-    return with_traits(storage, traits(template))
+    storage.traits = template.traits
+    return storage
 
 
 class Key:

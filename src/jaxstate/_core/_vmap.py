@@ -166,7 +166,7 @@ _jax.set_batching_rule(read_p, _read_batcher)
 _jax.set_zero_jvp(read_p)
 
 
-def read(value, like, batch_shape: tuple[int, ...]):
+def member_value(value, like, batch_shape: tuple[int, ...]):
     """The member's value of a stacked `value` read from storage."""
     extra = () if like is None else (like,)
     return read_p.bind(value, *extra, batch_shape=batch_shape, n_state=0)
@@ -227,7 +227,7 @@ _jax.set_batching_rule(write_p, _write_batcher)
 _jax.set_zero_jvp(write_p)
 
 
-def write(value, batch_shape: tuple[int, ...]):
+def stacked_value(value, batch_shape: tuple[int, ...]):
     """The stacked value to store for a member's `value`."""
     return write_p.bind(value, batch_shape=batch_shape, levels=())
 
@@ -262,11 +262,18 @@ def stack_eager(x) -> Any:
     return x
 
 
+def eager_value(x) -> Any:
+    """The value of `x` if it is known now: eagerly, also under eager vmaps (then
+    stacked, one leading axis per vmap, outermost first); `None` inside `jit`,
+    `scan`, `grad` and every other trace, where it is known only when the program
+    runs."""
+    if not only_eager_vmaps():
+        return None
+    return stack_eager(x)
+
+
 def traced_for() -> set[str]:
     """What the enclosing traces were made for (`"jit"`, `"while_cond"`,
     `"shard_map"`, which `pmap` is built on, ...)."""
     names = (_jax.traced_for(t) for t in _jax.enclosing_traces())
     return {n for n in names if n is not None}
-
-
-is_eager = _jax.is_eager

@@ -81,7 +81,11 @@ class Last:
 
 
 class Memo:
-    """Parts of argument objects known not to have changed, and the last call."""
+    """Parts of argument objects known not to have changed, and the last call.
+
+    The one owner of both: the slow path records a call (`record`), a program
+    that gave a state its first value is forgotten (`forget`), and each call ends
+    by keeping what it used or returned (`next_call`)."""
 
     def __init__(self, fun):
         self._fun = fun
@@ -103,10 +107,10 @@ class Memo:
         return [
             self.fun_part(),
             EMPTY if not kwargs else analyse(kwargs),
-            *map(self.part, args),
+            *map(self.part_of, args),
         ]
 
-    def part(self, tree) -> Any:
+    def part_of(self, tree) -> Any:
         """The part of an argument; an array stands for itself."""
         if is_array(tree):
             return tree
@@ -172,6 +176,21 @@ class Memo:
             used[id(arg)] = entry
             arrays += part.arrays
         return arrays, (call if last.call is None else last.call)
+
+    def record(
+        self, parts: list, call: Part, program: Any, n_first: int, fast: bool
+    ) -> None:
+        """Records a call worked out on the slow path as the last one."""
+        # A program for indices in static positions must die with them: no record
+        # of it is kept here.
+        self.last = None if call.statics else Last(parts, call, program, n_first, fast)
+
+    def forget(self, program: Any) -> None:
+        """Forgets the last call if it ran `program`, which gave a state its first
+        value: it writes that state's own references, and serves only that call."""
+        last = self.last
+        if last is not None and last.program is program:
+            self.last = None
 
     def remember(self, tree, part: Part) -> None:
         # Tuples, lists and dicts, which have no weak references, until the next

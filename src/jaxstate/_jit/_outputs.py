@@ -1,7 +1,8 @@
-"""How a `jaxstate.jit` program returns its output (`OutPart`, fixed at trace time),
-and how each call rebuilds it. See README.md beside this file.
+"""How a `jaxstate.jit` program returns its output (`OutputPlan`, fixed at trace
+time), and how each call rebuilds it. See README.md beside this file.
 """
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -28,7 +29,7 @@ class OutIndex(NamedTuple):
 _OUT_ARRAY_TYPES = (jax.Array, _jax.Tracer)
 
 
-class OutPart:
+class OutputPlan:
     """How the program returns one element of its output: fixed when it is traced,
     and shared by every call of that trace."""
 
@@ -46,12 +47,13 @@ class OutPart:
         "_slot_pos",
         "_index_pos",
         "_paths",
-        "_template",
+        "_argument",
     )
 
-    def __init__(self, out, slot_of: dict[int, int]):
+    def __init__(self, out, slot_of: dict[int, int], signatures: Mapping[int, Any]):
         """At trace time: `out` is one element of the function's output, holding
-        tracers; `slot_of` numbers the call's (stand-in) storages by id."""
+        tracers; `slot_of` numbers the call's (stand-in) storages by id, and
+        `signatures` gives each state's signature, by number."""
 
         def passed_index(x) -> bool:
             if type(x) is not StateIndex or not isinstance(x.inference, Flag):
@@ -101,7 +103,9 @@ class OutPart:
             for i, s in enumerate(spec)
             if type(s) is OutIndex
         ]
-        self._template: Any = None
+        # What a returned module's part as an argument is made of (`None`: it is
+        # worked out when passed in).
+        self._argument = self._argument_key(signatures) if self.module else None
 
     @staticmethod
     def arrays(out) -> list:
@@ -144,7 +148,10 @@ class OutPart:
             leaves[i] = index
         return leaves
 
-    def _make_template(self, signatures: dict[int, int]):
+    def _argument_key(self, signatures: Mapping[int, Any]) -> tuple | None:
+        """`(key, numbers, in_order)` of the part a returned module would have as
+        an argument: its key, the call's slot of each of its states, and whether
+        those are the call's own, in order; or `None`."""
         if (
             0 in signatures.values()
             or self.has_statics
@@ -153,7 +160,7 @@ class OutPart:
         ):
             # Holds a state the call did not receive, or one without a value yet,
             # or a NumPy array made by the function: worked out when passed in.
-            return False
+            return None
         local_of: dict[int, int] = {}
         spec = []
         for s in self.key_spec:
@@ -165,18 +172,17 @@ class OutPart:
         in_order = numbers == list(range(len(numbers)))
         return (self.key_treedef, tuple(spec)), numbers, in_order
 
-    def part(self, out, arrays: list, call: Part, signatures) -> Part | None:
+    def argument_part(self, out, arrays: list, call: Part) -> Part | None:
         """The part the returned module `out` would have as an argument, or `None`
         if it must be worked out when passed in."""
-        if self._template is None:
-            self._template = self._make_template(signatures)
-        if self._template is False:
+        argument = self._argument
+        if argument is None:
             return None
-        key, numbers, in_order = self._template
+        key, numbers, in_order = argument
         paths = self._paths
         guard = guard_of(out, paths) if paths else None
         if in_order and len(numbers) == len(call.storages):
-            return call.sharing(key, arrays, (), True, guard)
+            return call.derive(key, arrays, (), True, guard)
         storages = [call.storages[n] for n in numbers]
         handles = [call.handles[n] for n in numbers]
         return Part(
@@ -203,26 +209,27 @@ class Static:
 jtu.register_pytree_node(Static, lambda s: ((), s), lambda s, _: s)
 
 
-Description = tuple[bool, tuple[OutPart, ...]]
+Description = tuple[bool, tuple[OutputPlan, ...]]
 
 
-def describe(out, slot_of: dict[int, int]) -> tuple[list, Description]:
+def describe(
+    out, slot_of: dict[int, int], signatures: Mapping[int, Any]
+) -> tuple[list, Description]:
     """At trace time: the output's arrays, and how to rebuild it around them."""
     # Each element of a tuple output is described on its own, so that the modules
     # among them can be remembered.
     is_tuple = type(out) is tuple
     elements = out if is_tuple else (out,)
-    described = tuple(OutPart(element, slot_of) for element in elements)
-    arrays = [x for element in elements for x in OutPart.arrays(element)]
+    described = tuple(OutputPlan(e, slot_of, signatures) for e in elements)
+    arrays = [x for element in elements for x in OutputPlan.arrays(element)]
     return arrays, (is_tuple, described)
 
 
-def rebuild(
-    description: Description, arrays: list, call: Part, signatures, memo, remember
-):
+def rebuild(description: Description, arrays: list, call: Part, memo, remember):
     """A call's output, from what it returned; the modules among it are remembered
-    (with `remember`) unless the program gave a state its first value. (`memo` is
-    `None` for a call under another transform, which remembers nothing.)"""
+    in `memo` (with `remember`) unless the program gave a state its first value.
+    (`memo` is `None` for a call under another transform, which remembers
+    nothing.)"""
     is_tuple, described = description
     outs, start = [], 0
     for op in described:
@@ -237,10 +244,8 @@ def rebuild(
         else:
             out = op.treedef.unflatten(op.leaves(mine, call))
         if op.module and remember:
-            part = op.part(out, mine, call, signatures)
+            part = op.argument_part(out, mine, call)
             if part is not None:
                 memo.remember(out, part)
         outs.append(out)
-    if memo is not None:
-        memo.next_call()
     return tuple(outs) if is_tuple else outs[0]

@@ -41,22 +41,24 @@ class Slot(NamedTuple):
     signature: int | None
 
 
-_ARRAY_KIND, _HANDLE_KIND, _STATIC_KIND = 1, 2, 3
+# A leaf's role in a part: an array (traced), a handle (a slot), or static (a leaf
+# of the key). (Not to be confused with a state's kind, `jaxstate.kinds`.)
+_ARRAY_ROLE, _HANDLE_ROLE, _STATIC_ROLE = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, _jax.Tracer)
-_kinds: dict[type, int] = {Handle: _HANDLE_KIND}
+_roles: dict[type, int] = {Handle: _HANDLE_ROLE}
 
 
-def kind(cls: type) -> int:
+def role(cls: type) -> int:
     """Whether leaves of `cls` are arrays, handles or static (cached per type:
     `isinstance(x, jax.Array)` goes through an ABC check)."""
-    k = _kinds.get(cls)
-    if k is None:
-        k = _kinds[cls] = _ARRAY_KIND if issubclass(cls, _ARRAY_TYPES) else _STATIC_KIND
-    return k
+    r = _roles.get(cls)
+    if r is None:
+        r = _roles[cls] = _ARRAY_ROLE if issubclass(cls, _ARRAY_TYPES) else _STATIC_ROLE
+    return r
 
 
 def is_array(x) -> bool:
-    return (_kinds.get(type(x)) or kind(type(x))) == _ARRAY_KIND
+    return (_roles.get(type(x)) or role(type(x))) == _ARRAY_ROLE
 
 
 def is_leaf(x) -> bool:
@@ -157,7 +159,7 @@ class Part:
         # for the next returned module: rebuilding them costs more than reusing.
         self.indices = {} if indices is None else indices
         # Each output's leaves around these states, without its arrays, by its
-        # `OutPart` (what every call of a training loop copies and fills in).
+        # `OutputPlan` (what every call of a training loop copies and fills in).
         self.templates = {} if templates is None else templates
         # The storages of indices in static positions.
         self.statics = statics
@@ -171,7 +173,7 @@ class Part:
         # worked out: the part is used again only while they are intact.
         self.guard = guard
 
-    def sharing(
+    def derive(
         self,
         key,
         arrays: list,
@@ -179,8 +181,8 @@ class Part:
         fixed: bool = True,
         guard: Guard | None = None,
     ) -> "Part":
-        """A part with this part's states (and their numbering), and `key` and
-        `arrays` of its own."""
+        """A new part with this part's states (and their numbering), and `key` and
+        `arrays` of its own: a returned module's, a call's."""
         # Positional arguments: this runs on every `jaxstate.jit` call (for the
         # returned model), and a call with keywords costs about 2% of that path.
         return Part(
@@ -201,7 +203,7 @@ class Part:
     def layout(self) -> "Part":
         """This part without its arrays: what another call with the same states
         and structure shares."""
-        return self.sharing(self.key, [], statics=self.statics, fixed=self.fixed)
+        return self.derive(self.key, [], statics=self.statics, fixed=self.fixed)
 
 
 def analyse(tree) -> Part:
@@ -211,11 +213,11 @@ def analyse(tree) -> Part:
     slot_of: dict[int, int] = {}
     fixed = True
     for leaf in leaves:
-        k = _kinds.get(type(leaf)) or kind(type(leaf))
-        if k == _ARRAY_KIND:
+        r = _roles.get(type(leaf)) or role(type(leaf))
+        if r == _ARRAY_ROLE:
             arrays.append(leaf)
             spec.append(ARRAY)
-        elif k == _HANDLE_KIND:
+        elif r == _HANDLE_ROLE:
             storage = leaf.storage or leaf.get()  # `get` raises the freed error
             slot = slot_of.get(storage.id)
             if slot is None:
@@ -350,7 +352,7 @@ def combine(parts: list) -> Part:
             keys.append(ARRAY_KEY)
     if len(stateful) <= 1:
         one = stateful[0] if stateful else EMPTY
-        return one.sharing(tuple(keys), arrays, statics=statics, fixed=fixed)
+        return one.derive(tuple(keys), arrays, statics=statics, fixed=fixed)
     slot_of: dict[int, int] = {}
     storages, handles = [], []
     for i, p in enumerate(parts):

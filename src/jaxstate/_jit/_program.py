@@ -306,7 +306,7 @@ class Program:
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
         out_arrays, description = describe(
-            out, {p.id: i for i, p in enumerate(proxies)}
+            out, {p.id: i for i, p in enumerate(proxies)}, self.signatures
         )
         self.outputs.append(description)
         return out_arrays, Static(len(self.outputs) - 1), new_bufs

@@ -14,7 +14,7 @@ from .. import _jax
 from .._core._context import ReachedByClosure
 from .._core._lock import give, take
 from ._cache import programs_for
-from ._memo import Last, Memo
+from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
 from ._program import Program
@@ -59,7 +59,7 @@ class _JitWrapper:
         # Programs by call key, shared with every other wrapper of an equal
         # function (`_cache.py`). Those for models with indices in static positions
         # (whose keys hold the indices) are kept on one of those states instead
-        # (`Storage.jits`), so that they die with the model.
+        # (`Storage.kept`), so that they die with the model.
         self.programs = programs_for(fun, donate, jitkwargs)
         self.memo = Memo(fun)
         # Guards the programs and the slow path's bookkeeping (threads may call one
@@ -125,7 +125,7 @@ class _JitWrapper:
         out_arrays, static, _ = program.run([], (kept, donated, [], None), False)
         if program.created:
             self._forget(program, call)
-        return rebuild(program.outputs[static.value], out_arrays, call, {}, None, False)
+        return rebuild(program.outputs[static.value], out_arrays, call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -151,11 +151,7 @@ class _JitWrapper:
                 and memo.fun.fixed
                 and all(p.fixed for p in parts if type(p) is Part)
             )
-            # A program for indices in static positions must die with them: no
-            # record of it is kept here.
-            memo.last = (
-                None if call.statics else Last(parts, call, program, first, fast)
-            )
+            memo.record(parts, call, program, first, fast)
         _commit_states(call)
         return program, call, first
 
@@ -165,7 +161,7 @@ class _JitWrapper:
             return last.program
         if call.statics:
             # Kept on one of the static-position states (see `programs`).
-            entries = call.statics[0].jits
+            entries = call.statics[0].kept
             for programs, key, program in entries:
                 if programs() is self.programs and key == call.key:
                     return program
@@ -183,11 +179,9 @@ class _JitWrapper:
             by_key = self.programs.by_key
             for k in [k for k, p in by_key.items() if p is program]:
                 del by_key[k]
-            last = self.memo.last
-            if last is not None and last.program is program:
-                self.memo.last = None
+            self.memo.forget(program)
             for storage in call.statics:
-                storage.jits[:] = [e for e in storage.jits if e[2] is not program]
+                storage.kept[:] = [e for e in storage.kept if e[2] is not program]
 
     def _split(self, arrays: list, first: int) -> tuple[list, list]:
         """(kept, donated) arrays."""
@@ -232,14 +226,11 @@ class _JitWrapper:
             # The program gave a state its first value: it writes that state's own
             # references, so no other call may find it.
             self._forget(program, call)
-        return rebuild(
-            program.outputs[static.value],
-            out_arrays,
-            call,
-            program.signatures,
-            self.memo,
-            not created,
+        out = rebuild(
+            program.outputs[static.value], out_arrays, call, self.memo, not created
         )
+        self.memo.next_call()
+        return out
 
     def lower(self, *args, **kwargs) -> "Lowered":
         """Lowers the compiled function for these arguments, as `jax.jit(...).lower`.

@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from .._checkpoint._load import for_state
-from .._checkpoint._values import check_value
-from .._checkpoint._walk import leaf_paths, walk
 from .._core._buffers import commit, snapshot
 from .._core._checks import check_outside
 from .._core._context import redirected
 from .._core._storage import ABSTRACT, FIX_ABSTRACT, is_abstract, Storage
+from .._tree._values import check_value, for_state
+from .._tree._walk import leaf_paths, walk
 
 
 def states_of(tree) -> dict[str, Storage]:

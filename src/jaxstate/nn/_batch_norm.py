@@ -11,19 +11,23 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
-from .._core._index import StateIndex
-from .._core._kinds import BATCH_STATS
-from .._core._ops import get_state, set_state
+from .. import get_state, set_state, StateIndex
+from ..extend import (
+    flag_value,
+    FlagHolder,
+    get_stacked,
+    inference_property,
+    to_flag,
+    writable,
+)
+from ..kinds import BATCH_STATS
 from ._util import (
     at_least_float32,
     default_float,
     promote,
-    read,
     real_dtype,
     reduce_over,
     user_stacklevel,
-    writable as _writable,
 )
 
 
@@ -90,7 +94,7 @@ class BatchNorm(eqx.Module):
     counter: StateIndex | None
     batch_state: StateIndex | None
     # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_holder)
+    _inference: FlagHolder = eqx.field(converter=to_flag)
     inference = inference_property
     axis_name: Hashable | Sequence[Hashable] = eqx.field(static=True)
     input_size: int = eqx.field(static=True)
@@ -205,7 +209,7 @@ class BatchNorm(eqx.Module):
                 init=(zeros, ones), kind=BATCH_STATS, reset=(0, 1)
             )
             self.first_time = self.ema_state = None
-        self._inference = to_holder(inference)
+        self._inference = to_flag(inference)
         self.axis_name = axis_name
         self.input_size = input_size
         self.eps = eps
@@ -213,6 +217,25 @@ class BatchNorm(eqx.Module):
         self.momentum = momentum
         self.mode = mode
         self.dtype = dtype
+
+    def __torch_buffers__(self) -> tuple[dict[str, str], str | None]:
+        # `layout="torch"` in jaxstate's checkpoint functions: PyTorch's names of
+        # the statistics, in PyTorch's order, and why a mode whose statistics are
+        # not PyTorch's has none.
+        names = {
+            "batch_state[0]": "running_mean",
+            "batch_state[1]": "running_var",
+            "counter": "num_batches_tracked",
+        }
+        # The modes whose running statistics inference uses as they are, as
+        # PyTorch's.
+        if self.mode in ("torch", "flax", "debiased"):
+            return names, None
+        return names, (
+            f"has mode={self.mode!r}, whose statistics PyTorch's running_mean and "
+            "running_var do not hold: build it with mode='torch', 'flax' or "
+            "'debiased'."
+        )
 
     def _momentum_power(self, exponent, dtype) -> Array:
         # `momentum ** exponent` with the integer exponent cast first: the same
@@ -264,10 +287,10 @@ class BatchNorm(eqx.Module):
         """
         if self.mode == "ema":
             assert self.ema_state is not None
-            return read(self.ema_state)
+            return get_stacked(self.ema_state)
         assert self.counter is not None and self.batch_state is not None
-        counter = read(self.counter)
-        hidden_mean, hidden_var = read(self.batch_state)
+        counter = get_stacked(self.counter)
+        hidden_mean, hidden_var = get_stacked(self.batch_state)
         counter = jnp.expand_dims(counter, -1)  # one per member, against channels
         return self._inference_statistics(counter, hidden_mean, hidden_var)
 
@@ -339,7 +362,7 @@ class BatchNorm(eqx.Module):
             return mean, jnp.maximum(0.0, var)
 
         def store(index, value):
-            set_state(_writable(index), jax.tree.map(lambda v: v.astype(dtype), value))
+            set_state(writable(index), jax.tree.map(lambda v: v.astype(dtype), value))
 
         if self.mode == "ema":
             assert self.first_time is not None and self.ema_state is not None
@@ -358,7 +381,7 @@ class BatchNorm(eqx.Module):
                 mean = lax.select(first_time, batch_mean, mean)
                 var = lax.select(first_time, batch_var, var)
                 store(self.ema_state, (mean, var))
-                set_state(_writable(self.first_time), jnp.array(False))
+                set_state(writable(self.first_time), jnp.array(False))
         else:
             assert self.counter is not None and self.batch_state is not None
             counter = get_state(self.counter)
@@ -380,7 +403,7 @@ class BatchNorm(eqx.Module):
                     (1 - w) * stored_var + w * (var * (n / (n - 1))),
                 )
                 store(self.batch_state, new)
-                set_state(_writable(self.counter), counter + 1)
+                set_state(writable(self.counter), counter + 1)
             else:
                 mean, var = jax.vmap(stats)(xs)
                 m = self.momentum
@@ -401,7 +424,7 @@ class BatchNorm(eqx.Module):
                     )
                 # As above: the write that can fail first, the counter after it.
                 store(self.batch_state, new)
-                set_state(_writable(self.counter), counter + 1)
+                set_state(writable(self.counter), counter + 1)
 
         def norm(y, m, v, w, b):
             out = (y - m) / jnp.sqrt(v + self.eps)

@@ -7,9 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
+from ..extend import (
+    flag_value,
+    FlagHolder,
+    inference_property,
+    shared_vmaps,
+    to_flag,
+)
 from ._rng import RNGStream, with_inference
-from ._util import axis_index, axis_names, AxisName, extra_vmaps
+from ._util import axis_index, axis_names, AxisName
 
 
 _Seed = Int[ArrayLike, ""] | Key[Array, ""] | UInt32[Array, "2"]
@@ -118,7 +124,7 @@ class Dropout(eqx.Module):
     p: float = eqx.field(static=True)
     rng: RNGStream
     # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_holder)
+    _inference: FlagHolder = eqx.field(converter=to_flag)
     inference = inference_property
     axis_name: AxisName | None = eqx.field(static=True)
 
@@ -153,7 +159,7 @@ class Dropout(eqx.Module):
         """
         self.p = _check_p(p)
         self.rng = _stream(key, flag_value(inference, "Dropout"))
-        self._inference = to_holder(inference)
+        self._inference = to_flag(inference)
         self.axis_name = axis_name
 
     def __call__(
@@ -193,7 +199,7 @@ class Dropout(eqx.Module):
         if inference:
             return jnp.asarray(x)
         if key is None:
-            if self.axis_name is None and extra_vmaps(self.rng.state) > 0:
+            if self.axis_name is None and shared_vmaps(self.rng.state) > 0:
                 raise RuntimeError(
                     "`jaxstate.nn.Dropout` was called under a vmap it was not built "
                     "under, with no `axis_name`: every example would get the same "

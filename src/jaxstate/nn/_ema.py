@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from .._core._index import StateIndex
-from .._core._kinds import EMA as EMA_KIND
-from .._core._ops import get_state, set_state
-from ._util import at_least_float32, read, real_dtype
+from .. import get_state, set_state, StateIndex
+from ..extend import get_stacked
+from ..kinds import EMA as EMA_KIND
+from ._util import at_least_float32, real_dtype
 
 
 def _params(model: PyTree) -> tuple[list[Array], list[str], Any]:
@@ -198,4 +198,4 @@ class EMA(eqx.Module):
     def step_count(self) -> Int[Array, "*members"]:
         """How many updates the average has had (eagerly: one count per member for
         an EMA created under `eqx.filter_vmap`)."""
-        return read(self.steps)
+        return get_stacked(self.steps)

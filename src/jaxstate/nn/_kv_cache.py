@@ -7,13 +7,18 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
-from .._core._access import write_rows
-from .._core._context import resolve
-from .._core._index import StateIndex
-from .._core._kinds import CACHE
-from .._core._ops import get_state, set_state
-from .._core._vmap import only_eager_vmaps, stack_eager, vmap_sizes
-from ._util import default_float, extra_vmaps, read, writable, write
+from .. import get_state, set_state, StateIndex
+from ..extend import (
+    eager_value,
+    get_stacked,
+    set_rows,
+    set_stacked,
+    shared_vmaps,
+    stacked_axes,
+    writable,
+)
+from ..kinds import CACHE
+from ._util import default_float
 
 
 OnOverflow = Literal["error", "nan"]
@@ -217,7 +222,7 @@ class KVCache(eqx.Module):
                 f"KVCache.append got {n} tokens, more than max_len={self.max_len}: "
                 "create a longer cache."
             )
-        if extra_vmaps(self.position) > 0:
+        if shared_vmaps(self.position) > 0:
             raise RuntimeError(
                 "KVCache.append was called under a vmap the cache was not created "
                 "under: create it with `batch_size=` (or under `eqx.filter_vmap`)."
@@ -249,15 +254,8 @@ class KVCache(eqx.Module):
             # in place, also on one layer's slice of caches stacked for
             # `jaxstate.scan`, where writing back the whole buffers (or reading
             # them before the write and using them after) would copy them.
-            all_keys, all_values = write_rows(
-                writable(self.buffers)._handle,
-                (
-                    lax.dynamic_update_slice(all_keys, keys, at),
-                    lax.dynamic_update_slice(all_values, values, at),
-                ),
-                (keys, values),
-                at[0],
-                "KVCache.append",
+            all_keys, all_values = set_rows(
+                writable(self.buffers), (keys, values), at[0]
             )
         else:
             # Real tokens to consecutive positions; padding (and everything, when
@@ -275,14 +273,15 @@ class KVCache(eqx.Module):
             "Call `reset()`, make a longer cache (`resized`), or pass "
             "`on_overflow='nan'`."
         )
-        if only_eager_vmaps():
+        over = eager_value(~fits)
+        if over is not None:
             # Eager (under eager vmaps too, for a batched cache): the values are
             # known, so raise before anything is written.
-            over = np.asarray(stack_eager(~fits))
+            over = np.asarray(over)
             if over.any():
                 first = tuple(int(i) for i in np.argwhere(over)[0])
-                starts = np.broadcast_to(np.asarray(stack_eager(start)), over.shape)
-                news = np.broadcast_to(np.asarray(stack_eager(n_new)), over.shape)
+                starts = np.broadcast_to(np.asarray(eager_value(start)), over.shape)
+                news = np.broadcast_to(np.asarray(eager_value(n_new)), over.shape)
                 which = f" (sequence {first[0] if len(first) == 1 else first})"
                 raise ValueError(
                     f"KVCache.append: {int(news[first])} new token(s) after "
@@ -302,13 +301,14 @@ class KVCache(eqx.Module):
     def length(self) -> Int[Array, "*sequences"]:
         """How many tokens are stored: one per sequence for a cache created with
         `batch_size` (inside a vmap over the sequences, the sequence's own)."""
-        return read(self.position)
+        return get_stacked(self.position)
 
     def reset(self) -> None:
         """Empties the cache (every sequence, unless called inside the vmap over
         them), to start a new sequence; eagerly or inside `jit`. Only the position
         is reset: stale keys and values past it are never attended to."""
-        write(self.position, jnp.zeros_like(read(self.position)))
+        position = writable(self.position)
+        set_stacked(position, jnp.zeros_like(get_stacked(position)))
 
     def resized(self, batch_size: int | None, max_len: int | None = None) -> "KVCache":
         """A new, empty cache like this one (heads, sizes, dtype, `on_overflow`),
@@ -347,9 +347,9 @@ class KVCache(eqx.Module):
     def _layer_axes(self) -> tuple[int, ...]:
         """The batch axes of this cache's state in front of its own `batch_size`
         one, that no vmap around this call takes: those of a stack of layers."""
-        batch_shape = resolve(self.position._handle).batch_shape
+        axes = stacked_axes(self.position)
         own = 0 if self.batch_size is None else 1
-        return tuple(batch_shape[len(vmap_sizes()) : len(batch_shape) - own])
+        return axes[: len(axes) - own]
 
     @staticmethod
     def resize_all(

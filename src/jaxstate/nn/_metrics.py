@@ -4,19 +4,10 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, Shaped
 
-from .._core._index import StateIndex
-from .._core._kinds import COUNTER, METRIC
-from .._core._ops import get_state, set_state
-from ._util import (
-    AxisName,
-    check_axis_name,
-    default_float,
-    promote,
-    read,
-    reduce_over,
-    writable,
-    write,
-)
+from .. import get_state, set_state, StateIndex
+from ..extend import get_stacked, set_stacked, writable
+from ..kinds import COUNTER, METRIC
+from ._util import AxisName, check_axis_name, default_float, promote, reduce_over
 
 
 _VMAP_FIX = "each member would add to one shared total."
@@ -37,7 +28,9 @@ def _reduce(x: Array, axis_name: AxisName | None, what: str) -> Array:
 
 
 def _reset(index: StateIndex) -> None:
-    write(index, jax.tree.map(jnp.zeros_like, read(index)))
+    # Every member's, wherever it is called; in inference mode too.
+    index = writable(index)
+    set_stacked(index, jax.tree.map(jnp.zeros_like, get_stacked(index)))
 
 
 class Counter(eqx.Module):
@@ -120,7 +113,7 @@ class Counter(eqx.Module):
     def value(self) -> Int[Array, "*members"]:
         """The count. Eagerly, the whole stored value: one count per member for a
         counter created under `eqx.filter_vmap`."""
-        return read(self.count)
+        return get_stacked(self.count)
 
     def reset(self) -> None:
         """Sets the count to zero (eagerly: for every member)."""
@@ -251,7 +244,7 @@ class Mean(eqx.Module):
         """The mean so far: `nan` if nothing (or only weight 0) has been added.
         Eagerly, one mean per member for a `Mean` created under `eqx.filter_vmap`;
         works inside `jit` too."""
-        total, weight_sum = read(self.totals)
+        total, weight_sum = get_stacked(self.totals)
         return total / weight_sum
 
     def reset(self) -> None:

@@ -3,28 +3,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
-from .._core._flag import (
-    Flag,
-    flag,
+from .. import get_state, set_state, StateIndex
+from ..extend import (
     flag_value,
     FlagHolder,
+    get_stacked,
     inference_property,
-    to_holder,
-)
-from .._core._index import StateIndex
-from .._core._kinds import RNG
-from .._core._ops import get_state, set_state
-from ._util import (
-    axis_index,
-    axis_names,
-    AxisName,
-    check_axis_name,
-    check_can_create,
-    extra_vmaps,
-    read,
+    set_stacked,
+    shared_vmaps,
+    to_flag,
     writable,
-    write,
 )
+from ..kinds import RNG
+from ._util import axis_index, axis_names, AxisName, check_axis_name, check_can_create
 
 
 def _as_key(seed_or_key) -> PRNGKeyArray:
@@ -105,7 +96,7 @@ class RNGStream(eqx.Module):
     state: StateIndex
     inference_counter: StateIndex
     # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_holder)
+    _inference: FlagHolder = eqx.field(converter=to_flag)
     inference = inference_property
     impl: str = eqx.field(static=True)
 
@@ -140,7 +131,7 @@ class RNGStream(eqx.Module):
             init=(key_data, jnp.zeros((), jnp.uint32)), kind=RNG, reset=(None, 0)
         )
         self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32), kind=RNG)
-        self._inference = to_holder(inference)
+        self._inference = to_flag(inference)
 
     def next(
         self, *, axis_name: AxisName | None = None, inference: bool | None = None
@@ -179,7 +170,7 @@ class RNGStream(eqx.Module):
             "every member would get the same key.",
         )
         names = () if axis_name is None else axis_names(axis_name)
-        unnamed = extra_vmaps(self.state) - len(names)
+        unnamed = shared_vmaps(self.state) - len(names)
         if unnamed > 0:
             raise RuntimeError(
                 f"`RNGStream.next` was called under {unnamed} vmap(s) that "
@@ -251,20 +242,24 @@ class RNGStream(eqx.Module):
         """Sets both counters (training and inference) back to zero: the stream
         replays its keys from the start. Works eagerly (for every member of an
         ensemble at once) and inside `jit`."""
-        key_data, counter = read(self.state)
-        write(self.state, (key_data, jnp.zeros_like(counter)))
-        write(self.inference_counter, jnp.zeros_like(read(self.inference_counter)))
+        state, inference_counter = (
+            writable(self.state),
+            writable(self.inference_counter),
+        )
+        key_data, counter = get_stacked(state)
+        set_stacked(state, (key_data, jnp.zeros_like(counter)))
+        set_stacked(inference_counter, jnp.zeros_like(get_stacked(inference_counter)))
 
     @property
     def count(self) -> UInt32[Array, "*members"]:
         """How many keys the stream has given in training mode (eager: one per
         member of an ensemble)."""
-        return read(self.state)[1]
+        return get_stacked(self.state)[1]
 
     @property
     def inference_count(self) -> UInt32[Array, "*members"]:
         """How many keys the stream has given in inference mode."""
-        return read(self.inference_counter)
+        return get_stacked(self.inference_counter)
 
 
 def with_inference(stream: RNGStream, value: bool) -> RNGStream:
@@ -273,9 +268,4 @@ def with_inference(stream: RNGStream, value: bool) -> RNGStream:
     (`eqx.filter_vmap` building an ensemble), unlike `tree_inference`."""
     if flag_value(stream.inference, "RNGStream") == bool(value):
         return stream
-    return eqx.tree_at(
-        lambda s: s.inference,
-        stream,
-        flag(value),
-        is_leaf=lambda x: isinstance(x, Flag),
-    )
+    return eqx.tree_at(lambda s: s._inference, stream, to_flag(value))

@@ -6,11 +6,9 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
-from .._core._flag import flag_value, FlagHolder, inference_property, to_holder
-from .._core._index import StateIndex
-from .._core._kinds import BATCH_STATS
-from .._core._ops import get_state, set_state
-from ._util import writable
+from .. import get_state, set_state, StateIndex
+from ..extend import flag_value, FlagHolder, inference_property, to_flag, writable
+from ..kinds import BATCH_STATS
 
 
 _Layer = TypeVar("_Layer")
@@ -52,7 +50,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
     layer: _Layer
     uv: StateIndex
     # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_holder)
+    _inference: FlagHolder = eqx.field(converter=to_flag)
     inference = inference_property
     weight_name: str = eqx.field(static=True)
     num_power_iterations: int = eqx.field(static=True)
@@ -98,7 +96,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         # Statistics of the weight, kept for inference; no reset value (they
         # start converged for the weight the layer was built with).
         self.uv = StateIndex(init=(u, v), kind=BATCH_STATS, reset=None)
-        self._inference = to_holder(inference)
+        self._inference = to_flag(inference)
         self.weight_name = weight_name
         self.num_power_iterations = num_power_iterations
         self.eps = eps

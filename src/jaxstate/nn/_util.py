@@ -1,4 +1,6 @@
-"""Small helpers shared by the layers of `jaxstate.nn`."""
+"""Small helpers shared by the layers of `jaxstate.nn`: dtypes, axis names,
+warnings that point at the user's line. (What they need of the state itself is
+`jaxstate.extend`'s, as for a layer written outside the package.)"""
 
 import os
 import sys
@@ -12,11 +14,8 @@ import jaxtyping
 import numpy as np
 from jaxtyping import PyTree
 
-from .._core._context import resolve
-from .._core._flag import flag_value
-from .._core._index import StateIndex, with_inference
-from .._core._ops import get_state, set_state
-from .._core._vmap import is_eager, only_eager_vmaps, vmap_sizes
+from .. import StateIndex
+from ..extend import eager_value, shared_vmaps
 
 
 AxisName = Hashable | Sequence[Hashable]
@@ -72,16 +71,6 @@ def real_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.finfo(dtype).dtype)
 
 
-def writable(index: StateIndex) -> StateIndex:
-    # Streams, metrics and caches are not training state: a model switched to
-    # inference with `tree_inference` (to turn off dropout, freeze BatchNorm) still
-    # draws keys, counts and decodes. Their writes go through a training-mode view
-    # of the same state.
-    if flag_value(index.inference, "StateIndex"):
-        return with_inference(index, False)
-    return index
-
-
 def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:
     """`"batch"` -> `("batch",)`; a tuple or list of names -> a tuple of them."""
     if isinstance(axis_name, (tuple, list)):
@@ -89,20 +78,12 @@ def axis_names(axis_name: AxisName) -> tuple[Hashable, ...]:
     return (axis_name,)
 
 
-def extra_vmaps(index: StateIndex) -> int:
-    """How many of the enclosing vmaps the state was *not* created under (0 when
-    eager). Under those, every member reads the same value, and a write must be the
-    same for every member."""
-    batch_shape = resolve(index._handle).batch_shape
-    return max(0, len(vmap_sizes()) - len(batch_shape))
-
-
 def check_axis_name(
     index: StateIndex, axis_name: AxisName | None, what: str, fix: str
 ) -> None:
     """Raises, at trace time, if `what` is called under a vmap that its state was not
     created under and no `axis_name` says how to combine the members."""
-    if axis_name is None and extra_vmaps(index) > 0:
+    if axis_name is None and shared_vmaps(index) > 0:
         raise RuntimeError(
             f"`{what}` was called under a vmap that its state was not created under, "
             f"without `axis_name`: {fix} Name the vmap and pass `axis_name=` its name. "
@@ -151,39 +132,9 @@ def reduce_over(
 
 
 def check_can_create(what: str) -> None:
-    if not only_eager_vmaps():
+    # (Values are known now only eagerly, or under eager vmaps.)
+    if eager_value(True) is None:
         raise RuntimeError(
             f"`{what}` creates new state, which works only outside jit, scan and grad: "
             "call it eagerly (e.g. in `__init__`) and keep the result in the model."
         )
-
-
-def _missing_vmaps(index: StateIndex) -> tuple[int, ...]:
-    """The sizes of the vmaps the state was created under that do not enclose this
-    call (innermost last): inside `jit` but outside the vmap over the sequences of
-    a batched cache, say. (More or other vmaps are `get_state`'s to refuse.)"""
-    batch_shape = resolve(index._handle).batch_shape
-    return tuple(batch_shape[len(vmap_sizes()) :])
-
-
-def read(index: StateIndex) -> PyTree:
-    """The state: the whole stored value (one slice per member of the vmaps it was
-    created under, stacked in front), except for the slices of the vmaps that
-    enclose the call, which see their member's value. Eagerly, the whole value."""
-    if is_eager():
-        return index.unsafe_get()
-    fn = lambda: get_state(index)
-    for size in reversed(_missing_vmaps(index)):
-        fn = jax.vmap(fn, axis_size=size)
-    return fn()
-
-
-def write(index: StateIndex, value: PyTree) -> None:
-    """The counterpart of `read`: `value` has the same leading axes."""
-    if is_eager():
-        index.unsafe_set(value)
-        return
-    fn = lambda v: set_state(writable(index), v)
-    for size in reversed(_missing_vmaps(index)):
-        fn = jax.vmap(fn, axis_size=size)
-    fn(value)

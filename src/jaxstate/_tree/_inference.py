@@ -2,8 +2,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from ._flag import flag
-from ._vmap import is_eager
+from .. import _jax
+from .._core._flag import Flag, flag
 
 
 def _has_inference(x) -> bool:
@@ -20,14 +20,17 @@ def _owners(pytree) -> list:
 
 
 def _is_jaxstate(x) -> bool:
-    return type(x).__module__.startswith("jaxstate")
+    # jaxstate's objects, and layers written with `jaxstate.extend.to_flag` (whose
+    # holder keeps a `Flag` even after `eqx.nn.inference_mode` sets a bool).
+    return type(x).__module__.startswith("jaxstate") or isinstance(x.inference, Flag)
 
 
 def tree_inference(pytree: PyTree, value: bool) -> PyTree:
     """Returns a copy of `pytree` with every `inference` flag set to `value`.
 
     Like `equinox.nn.inference_mode`, which also works on jaxstate's indices and
-    layers. The difference: flags of jaxstate objects are stored as static tree
+    layers. The difference: flags of jaxstate objects (and of layers of your own
+    whose flag is made by [`jaxstate.extend.to_flag`][]) are stored as static tree
     structure, so a model switched here can also be passed through plain `jax.jit`.
 
     **Arguments:**
@@ -50,7 +53,7 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
         eval_model = jaxstate.tree_inference(model, True)
         ```
     """
-    if not is_eager():
+    if not _jax.is_eager():
         raise RuntimeError(
             "`jaxstate.tree_inference` was called inside a transform. Switch modes "
             "outside it, or pass `inference=True` to the layer's call."

@@ -1,7 +1,8 @@
-"""The values a checkpoint holds, one array at a time: which dtypes and PRNG keys
-they may have, the check of a value against the array or state leaf it is for
-(the one place that says "has shape ..., but the model has ..."), host copies, and
-placing a checked value where it belongs."""
+"""Values for a tree's arrays and states, one array at a time, as checkpoints and
+pure functions take them in: which dtypes and PRNG keys they may have, the check of
+a value against the array or state leaf it is for (the one place that says "has
+shape ..., but the model has ..."), host copies, and placing a checked value where
+it belongs."""
 
 import functools
 from typing import Any
@@ -205,6 +206,16 @@ def place(value: Any, like: Any) -> Any:
         host = np.asarray(value)
         return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
     return jax.device_put(value, sharding)
+
+
+def for_state(value: Any, ref: Any) -> Any:
+    """A checked value, ready to be written to a state's buffer `ref`."""
+    # The commit puts each value where the state's buffer is; across processes it
+    # needs a global array to start from, and an uncommitted buffer an uncommitted
+    # value (a committed one would commit the state).
+    if ref.sharding.is_fully_addressable and ref.committed:
+        return value
+    return place(value, ref)
 
 
 def _uncommitted(x: jax.Array) -> jax.Array:

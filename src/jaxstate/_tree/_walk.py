@@ -65,11 +65,11 @@ class StateEntry:
 
     @property
     def kind(self) -> str:
-        return self.storage.kind
+        return self.storage.traits.kind
 
     @property
     def persistent(self) -> bool:
-        return self.storage.persistent
+        return self.storage.traits.persistent
 
     @property
     def abstract(self) -> bool:

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _jax
-from ._access import check_not_scanned, check_traced
-from ._context import note_reached, redirected, resolve
-from ._local import SliceRef
-from ._storage import describe_unset, Handle, is_set, Storage, traits, with_traits
-from ._vmap import vmap_sizes
+from .._core._access import check_not_scanned, check_traced
+from .._core._context import note_reached, redirected, resolve
+from .._core._local import SliceRef
+from .._core._storage import describe_unset, Handle, is_set, Storage
+from .._core._vmap import vmap_sizes
 
 
 _Carry = TypeVar("_Carry")
@@ -42,7 +42,8 @@ _Y = TypeVar("_Y")
 def _slice(storage: Storage, index: Any, axis: int) -> Storage:
     """A stand-in for entry `index` of batch axis `axis` of `storage`."""
     assert storage.refs is not None
-    out = with_traits(Storage(), traits(storage))
+    out = Storage()
+    out.traits = storage.traits
     out.real = storage
     out.treedef = storage.treedef
     out.member_avals = storage.member_avals
@@ -57,7 +58,8 @@ def _nothing(storage: Storage, axis: int) -> Storage:
     """A stand-in for a layer of a stack of none: the body is traced (for the
     scan's output types) but never runs, so it gets references of its own."""
     assert storage.refs is not None
-    out = with_traits(Storage(), traits(storage))
+    out = Storage()
+    out.traits = storage.traits
     out.real = storage
     out.treedef = storage.treedef
     out.member_avals = storage.member_avals
