@@ -26,7 +26,7 @@ The same JAX clocks split the `jax.jit` row's call.
 (c) The Python run on jaxstate's behalf per call: exact counts (cProfile) of each
 of jaxstate's functions in one call, times each one's cost measured alone. At the
 top level of a compiled step jaxstate runs only pytree callbacks (its index's
-`Handle` and `Flag` flatten and unflatten, the `Key` hash and equality JAX's cache
+`Handle` and `FlagHolder` flatten and unflatten, the `Key` hash and equality JAX's cache
 asks for); reads and writes run only while tracing. Any other jaxstate function
 seen per call is listed.
 
@@ -441,7 +441,7 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
     handle: S.Handle = index._handle
     key, other = S.Key(handle.get()), S.Key(handle.get())
     handle_f, handle_u = _per_node_us([handle] * 100)
-    flag_f, flag_u = _per_node_us([F.Flag(False)] * 100)
+    flag_f, flag_u = _per_node_us([F.FlagHolder(False)] * 100)
 
     def us(fn: Callable[[], Any]) -> float:
         return 1e6 * min(timeit.repeat(fn, number=20000, repeat=5)) / 20000
@@ -464,11 +464,11 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             us(lambda: key == other),
         ),
         ("_flag.py", "_flatten"): (
-            "`Flag` flatten (the `inference` field)",
+            "`FlagHolder` flatten (the `_inference` field)",
             flag_f,
         ),
         ("_flag.py", "_unflatten"): (
-            "`Flag` unflatten (a new `Flag`)",
+            "`FlagHolder` unflatten (a new holder)",
             flag_u,
         ),
     }
