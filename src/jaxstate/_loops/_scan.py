@@ -39,8 +39,9 @@ _X = TypeVar("_X")
 _Y = TypeVar("_Y")
 
 
-def _slice(storage: Storage, index: Any, axis: int) -> Storage:
-    """A stand-in for entry `index` of batch axis `axis` of `storage`."""
+def _layer_of(storage: Storage, axis: int) -> Storage:
+    """A stand-in for one layer of `storage` (along batch axis `axis`), without
+    references yet."""
     assert storage.refs is not None
     out = Storage()
     out.traits = storage.traits
@@ -49,7 +50,14 @@ def _slice(storage: Storage, index: Any, axis: int) -> Storage:
     out.member_avals = storage.member_avals
     batch_shape = storage.batch_shape
     out.batch_shape = batch_shape[:axis] + batch_shape[axis + 1 :]
+    return out
+
+
+def _slice(storage: Storage, index: Any, axis: int) -> Storage:
+    """A stand-in for entry `index` of batch axis `axis` of `storage`."""
+    out = _layer_of(storage, axis)
     out.pending = storage.pending
+    assert storage.refs is not None
     out.refs = tuple(SliceRef(r, index, axis) for r in storage.refs)
     return out
 
@@ -57,14 +65,7 @@ def _slice(storage: Storage, index: Any, axis: int) -> Storage:
 def _nothing(storage: Storage, axis: int) -> Storage:
     """A stand-in for a layer of a stack of none: the body is traced (for the
     scan's output types) but never runs, so it gets references of its own."""
-    assert storage.refs is not None
-    out = Storage()
-    out.traits = storage.traits
-    out.real = storage
-    out.treedef = storage.treedef
-    out.member_avals = storage.member_avals
-    batch_shape = storage.batch_shape
-    out.batch_shape = batch_shape[:axis] + batch_shape[axis + 1 :]
+    out = _layer_of(storage, axis)
     out.refs = tuple(
         jax.new_ref(
             jnp.zeros(out.batch_shape + a.shape, a.dtype), kind="no_grad_no_remat"
