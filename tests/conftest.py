@@ -30,6 +30,9 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # tests pass either way. `JAXSTATE_TEST_OPTIMISE=1` keeps them.
 if not os.environ.get("JAXSTATE_TEST_OPTIMISE"):
     jax.config.update("jax_disable_most_optimizations", True)
+    # The same for the Python processes tests start (memory probes, the distributed
+    # example's processes, the benchmarks' children), which read it when JAX starts.
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 
 @pytest.fixture
@@ -52,6 +55,15 @@ def _programs_of_this_test_only():
     from jaxstate._jit import _cache
 
     _cache.clear()
+    # What earlier tests left alive (JAX's caches of traces and compiled programs,
+    # about a million objects by the end of a worker's run) is moved out of the
+    # collector's sight, as at the end of collection: a full collection then
+    # traverses only what this test makes, so the lifetime and memory tests'
+    # `gc.collect()` calls take milliseconds, not a second each. Garbage of earlier
+    # tests is collected first (this one collection traverses only what the test
+    # before made).
+    gc.collect()
+    gc.freeze()
     yield
 
 

@@ -2,9 +2,10 @@
 first on the path (so `benchmarks` is that checkout's): it only uses what every
 version's scenarios have (`variants(Config)`, `Variant.step`).
 
-    python _count_child.py MODULE list
+    python _count_child.py MODULE list [long]
         prints the baseline and jaxstate variants, as JSON [[index, name], ...]
-    python _count_child.py MODULE count INDEX STEPS
+        (with `long`, the scenario's long variants after them, where it has some)
+    python _count_child.py MODULE count INDEX STEPS [long]
         under `valgrind --tool=callgrind --instr-atstart=no`: warms the variant up,
         then counts STEPS steps (instrumentation on only around them)
 """
@@ -19,10 +20,13 @@ import sys
 import jax
 
 
-def _variants(module_name: str) -> list:
+def _variants(module_name: str, long: bool) -> list:
     module = importlib.import_module(f"benchmarks.{module_name}")
     harness = importlib.import_module("benchmarks._harness")
-    found = module.variants(harness.Config.make(quick=True))
+    cfg = harness.Config.make(quick=True)
+    found = module.variants(cfg)
+    if long and hasattr(module, "long_variants"):
+        found += module.long_variants(cfg)
     return [v for v in found if v.available and v.kind in ("baseline", "jaxstate")]
 
 
@@ -37,7 +41,7 @@ def _instrument(on: bool) -> None:
 
 def main(argv: list[str]) -> None:
     module_name, command, *rest = argv
-    variants = _variants(module_name)
+    variants = _variants(module_name, long=rest[-1:] == ["long"])
     if command == "list":
         print(json.dumps([[i, v.name] for i, v in enumerate(variants)]))
         return

@@ -21,6 +21,12 @@ jaxstate's Python and JAX's dispatch) and on all threads. Counts move by well un
 1% from run to run. It needs valgrind, and takes about a minute per row and version.
 
     python -m benchmarks.studies.versions /tmp/old . --only S1 --instructions
+
+`--long` counts a scenario's long variants too (S8's 32 blocks). With the same
+checkout as old and new, it compares a scenario's rows with each other (S8: a list
+or a dict against the tuple) and shows how far two counts of one row agree:
+
+    python -m benchmarks.studies.versions . . --only S8 --instructions --long
 """
 
 import argparse
@@ -72,9 +78,9 @@ def module_of(checkout: pathlib.Path, scenario: str) -> str:
     raise ValueError(f"{checkout} has no scenario {scenario}.")
 
 
-def rows_of(checkout: pathlib.Path, module: str) -> dict[str, int]:
+def rows_of(checkout: pathlib.Path, module: str, long: bool) -> dict[str, int]:
     done = subprocess.run(
-        [sys.executable, str(CHILD), module, "list"],
+        [sys.executable, str(CHILD), module, "list", *(["long"] if long else [])],
         cwd=checkout,
         env=checkout_env(checkout),
         capture_output=True,
@@ -97,7 +103,7 @@ def callgrind_totals(directory: pathlib.Path) -> tuple[int, int]:
     return totals.get(1, 0), sum(totals.values())
 
 
-def count(checkout: pathlib.Path, module: str, index: int, steps: int):
+def count(checkout: pathlib.Path, module: str, index: int, steps: int, long: bool):
     """Instructions per step of one variant: (calling thread, all threads)."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [
@@ -112,6 +118,7 @@ def count(checkout: pathlib.Path, module: str, index: int, steps: int):
             "count",
             str(index),
             str(steps),
+            *(["long"] if long else []),
         ]
         subprocess.run(
             command,
@@ -125,7 +132,10 @@ def count(checkout: pathlib.Path, module: str, index: int, steps: int):
 
 
 def instructions(
-    checkouts: dict[str, pathlib.Path], scenarios: list[str], steps: int
+    checkouts: dict[str, pathlib.Path],
+    scenarios: list[str],
+    steps: int,
+    long: bool = False,
 ) -> str:
     """Markdown: instructions per step of each row both versions have, the two
     versions of a row counted side by side (one core each)."""
@@ -136,12 +146,14 @@ def instructions(
     ]
     for scenario in scenarios:
         modules = {side: module_of(c, scenario) for side, c in checkouts.items()}
-        rows = {side: rows_of(c, modules[side]) for side, c in checkouts.items()}
+        rows = {side: rows_of(c, modules[side], long) for side, c in checkouts.items()}
         for name in [n for n in rows["new"] if n in rows["old"]]:
             print(f"{scenario}: {name}", file=sys.stderr, flush=True)
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 jobs = {
-                    side: pool.submit(count, c, modules[side], rows[side][name], steps)
+                    side: pool.submit(
+                        count, c, modules[side], rows[side][name], steps, long
+                    )
                     for side, c in checkouts.items()
                 }
                 (old_main, old_all), (new_main, new_all) = (
@@ -192,10 +204,15 @@ def main(argv: list[str] | None = None) -> None:
         help="count instructions per step under callgrind instead of timing",
     )
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="with --instructions, count the scenarios' long variants too",
+    )
     args = parser.parse_args(argv)
     if args.instructions:
         checkouts = {"old": args.old.resolve(), "new": args.new.resolve()}
-        print(instructions(checkouts, args.only.split(","), args.steps))
+        print(instructions(checkouts, args.only.split(","), args.steps, args.long))
         return
     out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="versions-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -559,3 +559,14 @@ def test_the_instruction_count_child_lists_the_rows_to_count():
     assert names[0] == s1_dispatch.BASELINE
     assert "jaxstate.jit" in names
     assert not any("Flax" in n or "Haiku" in n or "Equinox" in n for n in names)
+
+
+def test_the_instruction_count_child_lists_long_rows_when_asked():
+    from benchmarks import s8_containers
+    from benchmarks.studies import versions
+
+    rows = versions.rows_of(ROOT, "s8_containers", long=True)
+    # S8's rows at both sizes: a list or a dict of 32 blocks is compared with the
+    # tuple of 32 (`versions . . --only S8 --instructions --long`).
+    assert list(rows) == s8_containers.ROWS + s8_containers.LONG_ROWS
+    assert sorted(rows.values()) == list(range(len(rows)))
