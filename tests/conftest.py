@@ -1,13 +1,22 @@
 import contextlib
 import gc
 import os
+import sys
 from pathlib import Path
 
-import jax
-import jaxtyping
-import pytest
 
-from tests.helpers import COMPILERS, JITS
+# Bytecode is cached even where the environment says not to (Python's Docker images
+# set PYTHONDONTWRITEBYTECODE): both passes start six pytest processes and the tests
+# start about thirty more, and each would otherwise compile jaxstate, the tests
+# (with pytest's assertion rewriting) and whatever else is not yet compiled again,
+# about five seconds a process.
+sys.dont_write_bytecode = False
+
+import jax  # noqa: E402
+import jaxtyping  # noqa: E402
+import pytest  # noqa: E402
+
+from tests.helpers import COMPILERS, JITS, SUITE_XLA_FLAGS  # noqa: E402
 
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -25,14 +34,23 @@ jax.config.update(
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 # XLA's optimisation passes cost more than they save here, where hundreds of small
-# programs are compiled and each runs a few times (about a sixth of the suite's
-# time). They change neither jaxstate's behaviour nor donation: the in-place memory
-# tests pass either way. `JAXSTATE_TEST_OPTIMISE=1` keeps them.
+# programs are compiled and each runs a few times. They change neither jaxstate's
+# behaviour nor donation: the in-place memory tests pass either way (but for the one
+# that measures which copies XLA's optimisations make). `JAXSTATE_TEST_OPTIMISE=1`
+# keeps XLA's defaults.
+# XLA's CPU compiler's newer fusion emitters and its parallel code generation cost
+# more than they save for a test's small programs, too: each compiles about four
+# times faster without them. Both settings hold for the Python processes the tests
+# start (memory probes, the distributed example's processes, the benchmarks'
+# children), which read them when JAX starts (as this process does: JAX reads
+# XLA_FLAGS when it first computes). `tests.helpers.with_xla_defaults` undoes them
+# for a test that measures XLA's own behaviour.
 if not os.environ.get("JAXSTATE_TEST_OPTIMISE"):
     jax.config.update("jax_disable_most_optimizations", True)
-    # The same for the Python processes tests start (memory probes, the distributed
-    # example's processes, the benchmarks' children), which read it when JAX starts.
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), *SUITE_XLA_FLAGS]
+    ).strip()
 
 
 @pytest.fixture

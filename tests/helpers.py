@@ -5,6 +5,7 @@ state. (Fixtures live in `conftest.py`; docs/testing.md lists both.)"""
 import contextlib
 import io
 import logging
+import os
 import pathlib
 import re
 import subprocess
@@ -60,6 +61,23 @@ def compile_log() -> Iterator[list[str]]:
             yield names
     finally:
         logger.removeHandler(handler)
+
+
+# What tests/conftest.py adds to XLA_FLAGS (unless JAXSTATE_TEST_OPTIMISE is set).
+SUITE_XLA_FLAGS = (
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
+
+
+def with_xla_defaults() -> dict[str, str]:
+    """The environment without the suite's compiler settings (tests/conftest.py),
+    for a process that must compile as users' processes do."""
+    env = dict(os.environ)
+    env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in SUITE_XLA_FLAGS]
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
 
 
 def run_python(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxstate
-from tests.helpers import run_python
+from tests.helpers import run_python, with_xla_defaults
 
 
 # Not in the typechecked pass (conftest.py): memory, around the entry points other
@@ -107,10 +107,9 @@ def test_a_scanned_decode_step_updates_the_stacked_caches_in_place(mode):
     # looped over, probe mode "loop", grow by): no copy of the caches. The
     # control ("copy": each layer reads its whole cache before appending and uses
     # it after, which makes XLA copy the stacked caches) shows what a copy does.
-    # With XLA's optimisations, as users run it (conftest.py turns most off for the
-    # suite's processes): what is copied and what is reused depends on them.
-    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
-    out = run_python(SCAN_PROBE, "16384", mode, timeout=300, env=env)
+    # Compiled as users compile it (conftest.py changes XLA's settings for the
+    # suite's processes): which copies XLA makes depends on its optimisations.
+    out = run_python(SCAN_PROBE, "16384", mode, timeout=300, env=with_xla_defaults())
     nbytes, growth = (int(n) for n in out.stdout.strip().splitlines()[-2:])
     assert nbytes == 192 * MiB
     if mode == "copy":
