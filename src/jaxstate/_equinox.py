@@ -8,9 +8,8 @@ quiet while doing so, and it drops its cached programs on `eqx.clear_caches()`.
 `tests/core/test_jax_internals.py` checks each assumption.
 """
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import equinox as eqx
 from equinox import _caches, _jit
@@ -27,18 +26,26 @@ def on_clear_caches(clear: Callable[[], None]) -> None:
     _caches.cache_clears.append(clear)
 
 
-@contextlib.contextmanager
-def quiet_callback_failures() -> Iterator[None]:
+# (Looked up once: a logger lives as long as the process.)
+_CALLBACK_LOGGER = logging.getLogger("jax._src.callback")
+
+
+class quiet_callback_failures:
     """JAX logs an ERROR record for every host callback that raises; Equinox
     filters out the record while its own calls run, and the error is raised
-    instead."""
-    logger = logging.getLogger("jax._src.callback")
-    quiet = _jit._FilterCallback()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
+    instead. A context manager, entered on every call of a program that calls back
+    to the host (a class: cheaper than a generator's)."""
+
+    __slots__ = ("_filter",)
+
+    def __enter__(self) -> None:
+        # A filter of its own for each call, so that a thread leaving its call
+        # does not unquiet another's.
+        self._filter = _jit._FilterCallback()
+        _CALLBACK_LOGGER.addFilter(self._filter)
+
+    def __exit__(self, *exc: object) -> None:
+        _CALLBACK_LOGGER.removeFilter(self._filter)
 
 
 def runtime_error(error: Exception, jit_id: bytes) -> eqx.EquinoxRuntimeError | None:

@@ -37,6 +37,7 @@ from jax._src.interpreters import (
     partial_eval as _pe,
 )
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
+from jax._src.lib import xla_client as _xc
 from jax._src.shard_map import ShardMapTrace as _ShardMapTrace
 from jax._src.state import indexing as _indexing, primitives as _state_primitives
 from jax._src.state.types import (
@@ -97,6 +98,20 @@ def eval_trace() -> Any:
 def is_eager() -> bool:
     """Whether the current trace is eager code's (on every `jaxstate.jit` call)."""
     return type(_core.trace_ctx.trace) is _core.EvalTrace
+
+
+def wait_for(outputs: Any) -> None:
+    """`jax.block_until_ready(outputs)` for a compiled program's outputs (arrays
+    only, on every call that waits), without its per-leaf Python: one batched
+    wait, as it does for two arrays or more."""
+    arrays = jax.tree_util.tree_leaves(outputs)
+    if _ARRAY_TYPE.issuperset(map(type, arrays)):
+        _xc.batched_block_until_ready(arrays)
+    else:  # a leaf that is not an array: JAX's way, leaf by leaf
+        jax.block_until_ready(outputs)
+
+
+_ARRAY_TYPE = frozenset({_array.ArrayImpl})
 
 
 def is_eval_trace(trace: Any) -> bool:

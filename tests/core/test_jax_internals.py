@@ -414,6 +414,20 @@ def test_equinox_error_if_smuggles_its_message_and_stack_out():
     assert _equinox.runtime_error(ValueError("other"), b"") is None
 
 
+def test_a_batched_wait_raises_a_programs_failure_and_takes_only_arrays():
+    f = jax.jit(lambda x: (eqx.error_if(x, x < 0, "negative here"), x + 1))
+    with _equinox.quiet_callback_failures():
+        with pytest.raises(jax.errors.JaxRuntimeError, match="negative here"):
+            _jax.wait_for(f(-1.0))
+    out = f(1.0)
+    assert _jax.wait_for(out) is None and float(out[1]) == 2.0
+    # Anything else in the outputs: JAX's own wait, leaf by leaf (the batched one
+    # refuses it).
+    _jax.wait_for([out[0], 3.0, None])
+    with pytest.raises(jax.errors.JaxRuntimeError, match="PyArray only"):
+        _jax._xc.batched_block_until_ready([out[0], 3.0])
+
+
 def test_equinox_runs_registered_clears_on_clear_caches():
     cleared = []
     _equinox.on_clear_caches(lambda: cleared.append(None))

@@ -205,7 +205,7 @@ class Program:
                 if not self.donating and _jax.is_eager():
                     # A failure while running surfaces here, before the new
                     # buffers replace the state's.
-                    jax.block_until_ready(out)
+                    _jax.wait_for(out)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
             error = _equinox.runtime_error(e, self.jit_id)
             if error is None:
