@@ -13,6 +13,7 @@ from .. import _jax
 from .._core._flag import Flag, FlagHolder
 from .._core._index import StateIndex
 from .._core._storage import Handle
+from ._builder import builder
 from ._guards import container_paths, guard_of, unchanging
 from ._parts import ARRAY, holders, is_array, is_leaf, Part, Slot, static_handles
 
@@ -48,6 +49,7 @@ class OutputPlan:
         "_index_pos",
         "_paths",
         "_argument",
+        "build",
     )
 
     def __init__(self, out, slot_of: dict[int, int], signatures: Mapping[int, Any]):
@@ -106,6 +108,20 @@ class OutputPlan:
         # What a returned module's part as an argument is made of (`None`: it is
         # worked out when passed in).
         self._argument = self._argument_key(signatures) if self.module else None
+        # `build(arrays, template)`: `treedef.unflatten` in one generated function
+        # (`_builder.py`), or `None`.
+        positions = iter(range(self.n))
+        self.build = builder(
+            self.treedef,
+            [
+                ("array", next(positions))
+                if s is ARRAY
+                else ("template", i)
+                if type(s) in (Slot, OutIndex)
+                else ("static", s)
+                for i, s in enumerate(spec)
+            ],
+        )
 
     @staticmethod
     def arrays(out) -> list:
@@ -113,8 +129,8 @@ class OutputPlan:
         `leaves` expects them."""
         return [x for x in jtu.tree_leaves(out) if isinstance(x, _OUT_ARRAY_TYPES)]
 
-    def leaves(self, arrays: list, call: Part) -> list:
-        """The leaves to unflatten `treedef` with, from a call's output arrays."""
+    def template(self, call: Part) -> list:
+        """The leaves of this output in `call`, but for its arrays."""
         if call.storages:
             template = call.templates.get(self)
             if template is None:
@@ -125,8 +141,12 @@ class OutputPlan:
             # the states it returns, alive for good. (Without states there are no
             # slots or passed indices to fill in.)
             template = self._statics
-        leaves = template.copy()
-        # (A loop in C: this runs on every call.)
+        return template
+
+    def leaves(self, arrays: list, call: Part) -> list:
+        """The leaves to unflatten `treedef` with, from a call's output arrays."""
+        leaves = self.template(call).copy()
+        # (A loop in C.)
         any(map(leaves.__setitem__, self._array_pos, arrays))
         return leaves
 
@@ -239,7 +259,10 @@ def rebuild(description: Description, arrays: list, call: Part, memo, remember):
             continue
         mine = arrays[start : start + op.n]
         start += op.n
-        if op.only_arrays:
+        build = op.build
+        if build is not None:
+            out = build(mine, None if op.only_arrays else op.template(call))
+        elif op.only_arrays:
             out = op.treedef.unflatten(mine)
         else:
             out = op.treedef.unflatten(op.leaves(mine, call))
