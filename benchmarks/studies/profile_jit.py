@@ -174,7 +174,7 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
         jax.block_until_ready(real())
     finally:
         del program.run
-    out_arrays, static, _ = captured["out"]
+    _, out_arrays, static = captured["out"]
     jobs, start = [], 0
     for op in program.outputs[static.value][1]:
         some = out_arrays[start : start + op.n]

@@ -89,6 +89,43 @@ def test_compiled_code_has_no_callbacks_and_no_state_copies(name):
     fn(*args)  # and it runs
 
 
+class Counted(eqx.Module):
+    weight: jax.Array
+    count: jaxstate.StateIndex
+    stats: jaxstate.StateIndex
+
+    def __init__(self):
+        self.weight = jnp.ones(3)
+        self.count = jaxstate.StateIndex(init=jnp.array(0))
+        self.stats = jaxstate.StateIndex(init=jnp.ones(3))
+
+
+def _counted_step(model, opt_state):
+    jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+    jaxstate.set_state(model.stats, jaxstate.get_state(model.stats) * 2)
+    # Outputs of the same types as the states (an optimiser's step count and
+    # moments), returned before them by the function.
+    count, moments = opt_state
+    return (count + 1, moments * 3), model
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_each_state_reuses_its_own_buffer(donate):
+    step = jaxstate.jit(_counted_step, donate=donate)
+    args = (Counted(), (jnp.array(0), jnp.ones(3)))
+    text = step.lower(*args).as_text()
+    aliases = dict(re.findall(r"%arg(\d+): [^,)]*\{tf\.aliasing_output = (\d+)", text))
+    # The program takes the arrays it keeps (here all three, or none), then the
+    # state buffers: each is given to the output that is its own new value, so
+    # XLA updates it in place, with no copy.
+    first = 3 if donate == "none" else 0
+    assert aliases[str(first)] == "0" and aliases[str(first + 1)] == "1"
+    hlo = step.lower(*args).compile().as_text()
+    assert "copy(%bufs" not in hlo
+    (count, moments), model = step(*args)
+    assert int(count) == 1 and int(jaxstate.get_state(model.count)) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["arg", "closed", "jaxstate"])
 def test_stepping_a_256_mib_state_is_in_place(mode):

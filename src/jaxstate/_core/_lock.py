@@ -6,6 +6,7 @@ docs/design.md, "Threads" and "Interrupts".
 
 import _signal  # pyright: ignore[reportMissingImports]  (CPython's, under `signal`)
 import contextlib
+import itertools
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -148,11 +149,14 @@ def take(ids: list[int]) -> bool:
     In that order: an interrupt between the marking and the `try` that gives them
     back would otherwise leave them marked forever.
     """
-    # `take` and `give` run on every call: `_acquire` and `_release` are inlined.
+    # `take` and `give` run on every call: `_acquire`, `_release`,
+    # `enter_critical` and `exit_critical` are inlined.
     global _holder
-    opened = enter_critical()
+    me = _get_ident()
+    opened = me == _main and (type(_getsignal(_SIGINT)) is _Deferring or _install())
+    if opened:
+        _sections.depth += 1
     try:
-        me = _get_ident()
         nested = _holder == me
         if not nested:
             _lock.acquire()
@@ -160,8 +164,8 @@ def take(ids: list[int]) -> bool:
         try:
             if _busy or _readers:
                 _wait_free(ids, nested, readers=True)
-            for i in ids:
-                _busy[i] = me
+            # (Loops in C: a model may hold hundreds of states.)
+            _busy.update(zip(ids, itertools.repeat(me)))
         finally:
             if not nested:
                 _holder = None
@@ -182,8 +186,7 @@ def give(ids: list[int], opened: bool) -> None:
         _lock.acquire()
         _holder = me
     try:
-        for i in ids:
-            del _busy[i]
+        any(map(_busy.__delitem__, ids))
         if _waiting:
             _cond.notify_all()
     finally:
@@ -191,7 +194,9 @@ def give(ids: list[int], opened: bool) -> None:
             _holder = None
             _lock.release()
     if opened:
-        exit_critical(opened)
+        _sections.depth -= 1
+        if _sections.deferred is not None and _sections.depth == 0:
+            _raise_deferred()
 
 
 #
@@ -259,12 +264,15 @@ def exit_critical(opened: bool) -> None:
     if not opened:
         return
     _sections.depth -= 1
-    deferred = _sections.deferred
-    if deferred is not None and _sections.depth == 0:
-        _sections.deferred = None
-        handler = _getsignal(_SIGINT)
-        if isinstance(handler, _Deferring):
-            handler.previous(*deferred)
+    if _sections.deferred is not None and _sections.depth == 0:
+        _raise_deferred()
+
+
+def _raise_deferred() -> None:
+    deferred, _sections.deferred = _sections.deferred, None
+    handler = _getsignal(_SIGINT)
+    if isinstance(handler, _Deferring):
+        handler.previous(*deferred)
 
 
 @contextlib.contextmanager

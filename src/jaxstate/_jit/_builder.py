@@ -72,6 +72,9 @@ class _Generator:
                 for k, c in zip(aux, children, strict=True)
             ]
             return f"{{{', '.join(items)}}}"
+        if isinstance(cls, type) and issubclass(cls, tuple) and aux is None:
+            # A namedtuple (an optax state), made as JAX makes it.
+            return f"{self.constant(cls)}({', '.join(self.expr(c) for c in children)})"
         if isinstance(cls, type) and issubclass(cls, eqx.Module):
             fields = _fields(treedef, cls, aux, children)
             if fields is not None:

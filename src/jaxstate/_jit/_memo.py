@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 
+from ._guards import Guard
 from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
 
 
@@ -90,8 +91,10 @@ class Memo:
     def __init__(self, fun):
         self._fun = fun
         self.fun = function_part(fun)
-        self.entries: dict[int, tuple[Any, Part]] = {}
-        self.used: dict[int, tuple[Any, Part]] = {}
+        # By `id` of the object: (a reference to it, its part, its arrays, its
+        # guard).
+        self.entries: dict[int, tuple] = {}
+        self.used: dict[int, tuple] = {}
         self.last: Last | None = None
         self._dropping = self._drop  # (one bound method, not one per call)
 
@@ -117,13 +120,16 @@ class Memo:
         key = id(tree)
         entry = self.entries.get(key)
         if entry is not None and entry[0]() is tree:
-            guard = entry[1].guard
+            ref, part, arrays, guard = entry
             if guard is None or guard.intact():
                 self.used[key] = entry
-                return entry[1]
+                if part.arrays is arrays:
+                    return part
+                # A returned module's part, shared by every call: with its arrays.
+                return part.derive(part.key, arrays, part.statics, part.fixed, guard)
         part = analyse(tree)
         if part.fixed and not part.mutable and isinstance(tree, _REMEMBERED):
-            self.remember(tree, part)
+            self.remember(tree, part, part.arrays, part.guard)
         return part
 
     def call_of(self, parts: list) -> Part:
@@ -166,7 +172,7 @@ class Memo:
             part = entry[1]
             if part.key is not key:
                 return None
-            guard = part.guard
+            guard = entry[3]
             if guard is not None and not guard.intact():
                 return None
             if part.storages:
@@ -174,7 +180,12 @@ class Memo:
                     return None
                 call = part
             used[id(arg)] = entry
-            arrays += part.arrays
+            arrays += entry[2]
+        # What the last call remembered and this one does not use goes now, not
+        # at the end of the call: a training loop's previous optimiser state (a
+        # tuple, held until here) is freed before the program runs, as when a
+        # hand-threaded loop replaces it, so that its memory can be reused.
+        self.entries = used
         return arrays, (call if last.call is None else last.call)
 
     def record(
@@ -192,18 +203,20 @@ class Memo:
         if last is not None and last.program is program:
             self.last = None
 
-    def remember(self, tree, part: Part) -> None:
+    def remember(self, tree, part: Part, arrays: list, guard: Guard | None) -> None:
+        """Remembers the part of `tree`, with its arrays and its guard (kept beside
+        the part: a returned module's part is shared by every call)."""
         # Tuples, lists and dicts, which have no weak references, until the next
         # call; modules by weak reference. (`issubclass` of the type against
         # builtins: on a module, `isinstance` goes through Equinox's
         # `__getattribute__`, and `issubclass(..., eqx.Module)` through `abc`.)
         key = id(tree)
         if issubclass(type(tree), _BUILTIN):
-            self.used[key] = (_Held(tree), part)
+            self.used[key] = (_Held(tree), part, arrays, guard)
         else:
             ref = _Ref(tree, self._dropping)
             ref.key = key
-            self.used[key] = (ref, part)
+            self.used[key] = (ref, part, arrays, guard)
 
     def _drop(self, ref: _Ref) -> None:
         # The module died: forget its part, and with it the arrays it lists.

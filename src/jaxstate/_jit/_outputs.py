@@ -47,7 +47,7 @@ class OutputPlan:
         "_array_pos",
         "_slot_pos",
         "_index_pos",
-        "_paths",
+        "paths",
         "_argument",
         "build",
     )
@@ -91,7 +91,7 @@ class OutputPlan:
         self.module = isinstance(out, (eqx.Module, tuple, list, dict))
         # The paths to the lists and dicts inside, to guard the returned part.
         treedef = self.key_treedef
-        self._paths = [] if unchanging(treedef) else container_paths(out, treedef)
+        self.paths = [] if unchanging(treedef) else container_paths(out, treedef)
         # Indices in static positions: such a module is worked out when passed in.
         self.has_statics = bool(self.module and static_handles(self.treedef))
         self._statics = [
@@ -169,13 +169,13 @@ class OutputPlan:
         return leaves
 
     def _argument_key(self, signatures: Mapping[int, Any]) -> tuple | None:
-        """`(key, numbers, in_order)` of the part a returned module would have as
-        an argument: its key, the call's slot of each of its states, and whether
-        those are the call's own, in order; or `None`."""
+        """`(key, numbers, n_every)` of the part a returned module would have as
+        an argument: its key, the call's slot of each of its states, and their
+        number if they are the call's first, in order (else -1); or `None`."""
         if (
             0 in signatures.values()
             or self.has_statics
-            or self._paths is None
+            or self.paths is None
             or any(type(s) is Handle or is_array(s) for s in self.key_spec)
         ):
             # Holds a state the call did not receive, or one without a value yet,
@@ -189,25 +189,48 @@ class OutputPlan:
                 s = Slot(local, signatures[s.number])
             spec.append(s)
         numbers = list(local_of)
-        in_order = numbers == list(range(len(numbers)))
-        return (self.key_treedef, tuple(spec)), numbers, in_order
+        # When its states are the first of the call's, in order: how many.
+        n_every = len(numbers) if numbers == list(range(len(numbers))) else -1
+        return (self.key_treedef, tuple(spec)), numbers, n_every
 
-    def argument_part(self, out, arrays: list, call: Part) -> Part | None:
-        """The part the returned module `out` would have as an argument, or `None`
+    def argument_part(self, call: Part) -> Part | None:
+        """The part a module this output returns in `call` would have as an
+        argument, without its arrays (the memo keeps those beside it), or `None`
         if it must be worked out when passed in."""
         argument = self._argument
         if argument is None:
             return None
-        key, numbers, in_order = argument
-        paths = self._paths
-        guard = guard_of(out, paths) if paths else None
-        if in_order and len(numbers) == len(call.storages):
-            return call.derive(key, arrays, (), True, guard)
-        storages = [call.storages[n] for n in numbers]
-        handles = [call.handles[n] for n in numbers]
-        return Part(
-            key, arrays, storages, handles, holders_=holders(storages), guard=guard
-        )
+        key, numbers, n_every = argument
+        every = n_every == len(call.storages)
+        if every and call.key is key:
+            # A training loop's call whose part is the last output's: the same
+            # part serves every call.
+            return call
+        if not call.storages:
+            # Not kept on a part without states, which may be `EMPTY`, shared by
+            # every function (see `template`).
+            return Part(key, [], [], [])
+        # Kept on the call's part (which it does not refer back to: no cycle keeps
+        # the states alive).
+        part = call.returned.get(self)
+        if part is None:
+            if every:
+                part = Part(
+                    key,
+                    [],
+                    call.storages,
+                    call.handles,
+                    call.holders,
+                    call.ids,
+                    call.indices,
+                    call.templates,
+                )
+            else:
+                storages = [call.storages[n] for n in numbers]
+                handles = [call.handles[n] for n in numbers]
+                part = Part(key, [], storages, handles, holders_=holders(storages))
+            call.returned[self] = part
+        return part
 
 
 class Static:
@@ -267,8 +290,9 @@ def rebuild(description: Description, arrays: list, call: Part, memo, remember):
         else:
             out = op.treedef.unflatten(op.leaves(mine, call))
         if op.module and remember:
-            part = op.argument_part(out, mine, call)
+            part = op.argument_part(call)
             if part is not None:
-                memo.remember(out, part)
+                paths = op.paths
+                memo.remember(out, part, mine, guard_of(out, paths) if paths else None)
         outs.append(out)
     return tuple(outs) if is_tuple else outs[0]

@@ -126,6 +126,7 @@ class Part:
         "ids",
         "indices",
         "templates",
+        "returned",
         "statics",
         "fixed",
         "mutable",
@@ -142,6 +143,7 @@ class Part:
         ids: list[int] | None = None,
         indices: dict | None = None,
         templates: dict | None = None,
+        returned: dict | None = None,
         statics: Sequence[Storage] = (),
         fixed: bool = True,
         mutable: bool = False,
@@ -161,6 +163,9 @@ class Part:
         # Each output's leaves around these states, without its arrays, by its
         # `OutputPlan` (what every call of a training loop copies and fills in).
         self.templates = {} if templates is None else templates
+        # The parts of returned modules that hold some of these states, by
+        # `OutputPlan` (`OutputPlan.argument_part`).
+        self.returned = {} if returned is None else returned
         # The storages of indices in static positions.
         self.statics = statics
         # Whether every state has its value: until then a state's signature (and so
@@ -194,6 +199,7 @@ class Part:
             self.ids,
             self.indices,
             self.templates,
+            self.returned,
             statics,
             fixed,
             False,

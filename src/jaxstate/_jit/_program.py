@@ -103,8 +103,8 @@ class Program:
         }
         self.jitkwargs = jitkwargs
 
-        def inner(kept, donated, bufs, unused):
-            return self._inner(kept, donated, bufs, unused)
+        def inner(kept, bufs, donated, unused):
+            return self._inner(kept, bufs, donated, unused)
 
         # JAX names the program after the function it traces: in compile logs,
         # profiles and `SlowPathWarning`s, the user's function's name.
@@ -146,7 +146,7 @@ class Program:
         # tracing the user's function again.
         if self._undonated is None:
             fun = self._traced if traced is None else _replaying(traced, self._traced)
-            self._undonated = jax.jit(fun, donate_argnums=(1,), **self.jitkwargs)
+            self._undonated = jax.jit(fun, donate_argnums=(2,), **self.jitkwargs)
         return self._undonated
 
     def run(
@@ -253,7 +253,7 @@ class Program:
             self._undonate()
             return self.retrying(inputs, lower)
 
-    def _inner(self, kept, donated, bufs, _):
+    def _inner(self, kept, bufs, donated, _):
         top = _jax.current_trace()
         storages = self._tracing.storages
         # `bufs` holds the leaves of every distinct state that has a value, slot
@@ -309,4 +309,8 @@ class Program:
             out, {p.id: i for i, p in enumerate(proxies)}, self.signatures
         )
         self.outputs.append(description)
-        return out_arrays, Static(len(self.outputs) - 1), new_bufs
+        # The new state first: JAX pairs each output with the first donated input
+        # of its type, in order, so the state's buffers (donated first) are each
+        # reused for that state's own new value. (Else an optimiser's step count
+        # could take a BatchNorm counter's buffer, and XLA would copy both.)
+        return new_bufs, out_arrays, Static(len(self.outputs) - 1)

@@ -122,7 +122,7 @@ class _JitWrapper:
             call = combine(parts)
             program = self._program(call)
         kept, donated = self._split(call.arrays, n_first(parts))
-        out_arrays, static, _ = program.run([], (kept, donated, [], None), False)
+        _, out_arrays, static = program.run([], (kept, [], donated, None), False)
         if program.created:
             self._forget(program, call)
         return rebuild(program.outputs[static.value], out_arrays, call, None, False)
@@ -209,15 +209,22 @@ class _JitWrapper:
         if closed and any(s.id in closed for s in call.storages):
             # Another model of this structure was the one closed over.
             raise ReachedByClosure({s.id for s in call.storages if s.id in closed})
-        kept, donated = self._split(arrays, first)
+        # (`_split`, inlined: this runs on every call.)
+        donate = self.donate
+        if donate == "none":
+            kept, donated = arrays, []
+        elif donate == "all" or donate == "warn":
+            kept, donated = [], arrays
+        else:
+            kept, donated = arrays[:first], arrays[first:]
         ids, holders = call.ids, call.holders
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
         opened = take(ids)
         try:
-            inputs = (kept, donated, _jax.holder_buffers(holders), None)
+            inputs = (kept, _jax.holder_buffers(holders), donated, None)
             out = program.run(call.storages, inputs, self.hide_warning, executable)
-            out_arrays, static, new_bufs = out
+            new_bufs, out_arrays, static = out
             _jax.set_holder_buffers(holders, new_bufs)
         finally:
             give(ids, opened)
@@ -242,7 +249,7 @@ class _JitWrapper:
         while True:
             program, call, first = self.prepare(args, kwargs)
             kept, donated = self._split(call.arrays, first)
-            inputs = (kept, donated, _jax.holder_buffers(call.holders), None)
+            inputs = (kept, _jax.holder_buffers(call.holders), donated, None)
             try:
                 lowered = program.lower(call.storages, inputs)
                 break
