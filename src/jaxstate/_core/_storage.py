@@ -265,15 +265,16 @@ def holding_like(template: Storage, values: list) -> Storage:
 class Key:
     """Hashable identity of a `Storage`; what JAX sees as static metadata.
 
-    Made afresh by every flatten, and usually weak: the tree it was made from is
-    alive while it is used, and JAX's and Equinox's caches keep these keys long
-    after (keyed on argument structure). A storage created inside a transform (a
-    model built inside `eqx.filter_vmap` or a jitted function) leaves it only as
-    tree structure, the objects created inside being dropped before the output is
-    rebuilt outside (JAX may rebuild and drop it more than once on the way): keys
-    made while it is young (until eager code first rebuilds an index of it) hold it
-    strongly, as do those of a state first set inside a trace, which the program
-    owns.
+    Made by a flatten whenever the handle's own key is not the one it needs (a weak
+    key stays right until the storage is traced), and usually weak: the tree it was
+    made from is alive while it is used, and JAX's and Equinox's caches keep these
+    keys long after (keyed on argument structure). A storage created inside a
+    transform (a model built inside `eqx.filter_vmap` or a jitted function) leaves
+    it only as tree structure, the objects created inside being dropped before the
+    output is rebuilt outside (JAX may rebuild and drop it more than once on the
+    way): keys made while it is young (until eager code first rebuilds an index of
+    it) hold it strongly, as do those of a state first set inside a trace, which the
+    program owns.
     """
 
     __slots__ = ("id", "strong", "weak")
@@ -286,7 +287,9 @@ class Key:
         self.strong: Storage | None = storage if storage.traced or young else None
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and other.id == self.id
+        # (`type(...) is`: JAX compares the keys of a tree's states on every call
+        # of a function compiled with `jax.jit`.)
+        return type(other) is Key and other.id == self.id
 
     def __hash__(self) -> int:
         return hash((Key, self.id))
@@ -339,14 +342,29 @@ class Handle:
 
 def _flatten(handle: Handle):
     storage = handle.storage
-    return (), (handle.key if storage is None else Key(storage))
+    key = handle.key
+    if storage is None or (
+        key.strong is None and not storage.young and not storage.traced
+    ):
+        # A weak key stays right while the storage is neither young nor traced:
+        # the handle's own is the one a new key would equal (flattening a model
+        # runs this for every state, on every `jax.jit` call).
+        return (), key
+    return (), Key(storage)
 
 
 def _unflatten(key: Key, _) -> Handle:
     storage = key.strong or key.weak()
     if storage is not None and storage.young and _jax.is_eager():
         storage.young = False
-    return Handle(key, storage)
+    # (Not `Handle(...)`: a Python call less per state, on every unflatten.)
+    handle = _new(Handle)
+    handle.key = key
+    handle.storage = storage
+    return handle
+
+
+_new = object.__new__
 
 
 jtu.register_pytree_node(Handle, _flatten, _unflatten)
