@@ -6,7 +6,6 @@ docs/design.md, "Threads" and "Interrupts".
 
 import _signal  # pyright: ignore[reportMissingImports]  (CPython's, under `signal`)
 import contextlib
-import itertools
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -164,8 +163,8 @@ def take(ids: list[int]) -> bool:
         try:
             if _busy or _readers:
                 _wait_free(ids, nested, readers=True)
-            # (Loops in C: a model may hold hundreds of states.)
-            _busy.update(zip(ids, itertools.repeat(me)))
+            for i in ids:
+                _busy[i] = me
         finally:
             if not nested:
                 _holder = None
@@ -186,7 +185,8 @@ def give(ids: list[int], opened: bool) -> None:
         _lock.acquire()
         _holder = me
     try:
-        any(map(_busy.__delitem__, ids))
+        for i in ids:
+            del _busy[i]
         if _waiting:
             _cond.notify_all()
     finally:
