@@ -33,18 +33,17 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-# XLA's optimisation passes cost more than they save here, where hundreds of small
-# programs are compiled and each runs a few times. They change neither jaxstate's
-# behaviour nor donation: the in-place memory tests pass either way (but for the one
-# that measures which copies XLA's optimisations make). `JAXSTATE_TEST_OPTIMISE=1`
-# keeps XLA's defaults.
-# XLA's CPU compiler's newer fusion emitters and its parallel code generation cost
-# more than they save for a test's small programs, too: each compiles about four
-# times faster without them. Both settings hold for the Python processes the tests
-# start (memory probes, the distributed example's processes, the benchmarks'
-# children), which read them when JAX starts (as this process does: JAX reads
-# XLA_FLAGS when it first computes). `tests.helpers.with_xla_defaults` undoes them
-# for a test that measures XLA's own behaviour.
+# XLA's optimisation passes, its CPU compiler's newer fusion emitters and its
+# parallel code generation cost more than they save here, where hundreds of small
+# programs are compiled and each runs a few times (each compiles about four times
+# faster without the last two). They change neither jaxstate's behaviour nor
+# donation: the in-place memory tests pass either way, but for the one that
+# measures which copies XLA's optimisations make. The settings hold for the Python
+# processes the tests start (memory probes, the distributed example's processes,
+# the benchmarks' children), which read them when JAX starts, as this process does
+# (JAX reads XLA_FLAGS when it first computes). `tests.helpers.with_xla_defaults`
+# undoes them for a test that measures XLA's own behaviour;
+# `JAXSTATE_TEST_OPTIMISE=1` keeps XLA's defaults for the whole suite.
 if not os.environ.get("JAXSTATE_TEST_OPTIMISE"):
     jax.config.update("jax_disable_most_optimizations", True)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"

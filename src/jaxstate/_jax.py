@@ -100,6 +100,9 @@ def is_eager() -> bool:
     return type(_core.trace_ctx.trace) is _core.EvalTrace
 
 
+_ARRAY_TYPE = frozenset({_array.ArrayImpl})
+
+
 def wait_for(outputs: Any) -> None:
     """`jax.block_until_ready(outputs)` for a compiled program's outputs (arrays
     only, on every call that waits), without its per-leaf Python: one batched
@@ -109,9 +112,6 @@ def wait_for(outputs: Any) -> None:
         _xc.batched_block_until_ready(arrays)
     else:  # a leaf that is not an array: JAX's way, leaf by leaf
         jax.block_until_ready(outputs)
-
-
-_ARRAY_TYPE = frozenset({_array.ArrayImpl})
 
 
 def is_eval_trace(trace: Any) -> bool:
