@@ -7,12 +7,13 @@ of the Python of a `jaxstate.jit` call. The output of one trace always has the s
 structure, so it is compiled once into straight-line Python that makes each module
 with `object.__new__` and gives it its whole `__dict__` at once.
 
-Only what can be checked is generated: tuples, lists, dicts, `None` and Equinox
-modules whose unflatten, probed with marker children, is seen to store each child
-and each static value under a field name. Any other node is rebuilt by JAX's own
-unflatten, from inside the generated function. The generated function is compared
-with `treedef.unflatten` (the same objects at the leaves, the same types, field
-names in the same order) before it is used; if they differ, there is none.
+Only what can be checked is generated: tuples, lists, dicts, `None`, namedtuples
+(made as JAX makes them, by calling the class) and Equinox modules whose unflatten,
+probed with marker children, is seen to store each child and each static value under
+a field name. Any other node is rebuilt by JAX's own unflatten, from inside the
+generated function. The generated function is compared with `treedef.unflatten` (the
+same objects at the leaves, the same types, field names in the same order) before it
+is used; if they differ, there is none.
 """
 
 import operator
@@ -76,7 +77,7 @@ class _Generator:
             # A namedtuple (an optax state), made as JAX makes it.
             return f"{self.constant(cls)}({', '.join(self.expr(c) for c in children)})"
         if isinstance(cls, type) and issubclass(cls, eqx.Module):
-            fields = _fields(treedef, cls, aux, children)
+            fields = _fields(cls, aux, children)
             if fields is not None:
                 return self.module(cls, fields, children)
         # Anything else: JAX's own unflatten, called with this node's leaves.
@@ -100,7 +101,7 @@ class _Marker:
     __slots__ = ()
 
 
-def _fields(treedef, cls: type, aux: Any, children: list) -> list | None:
+def _fields(cls: type, aux: Any, children: list) -> list | None:
     """Where an Equinox module's unflatten puts each child and static value:
     `(field name, "child", child number)` or `(field name, "static", value)`, in
     the order of its `__dict__`; `None` if that cannot be seen."""
