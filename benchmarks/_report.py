@@ -32,7 +32,8 @@ HOW = """\
   help, and times its first 3 calls one by one, blocking on each; building is not
   timed. JAX's persistent compilation cache is off. "compiles" counts XLA
   compilations per call (JAX's `/jax/core/compile/backend_compile_duration`
-  event), "traces" traces to a jaxpr. A first untimed round checks that the fresh
+  event), "traces" traces to a jaxpr (its trace event, less those its cache of
+  traces answers in about 10 µs). A first untimed round checks that the fresh
   builds compute the same results and warms what all variants share (JAX's own
   jitted helpers); the rounds after it are timed, interleaved, the starting
   variant rotated. Figures are medians over rounds, ratios medians of per-round

@@ -3,7 +3,6 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 "jaxstate.jit".
 """
 
-import functools
 import inspect
 import os
 import threading
@@ -63,22 +62,6 @@ def _calls_back(eqns) -> bool:
     return False
 
 
-def _replaying(traced: Any, trace: Callable) -> Callable:
-    """A function like `trace` (a program's `_inner`) that, for the argument types
-    `traced` was made for, replays `traced`'s jaxpr instead of running the user's
-    function again; for other types (new shapes), it traces."""
-    avals = list(traced.jaxpr.in_avals)
-    replay = not traced._consts  # (its constants would be extra arguments)
-
-    def inner(*args):
-        if replay and [jax.typeof(x) for x in jtu.tree_leaves(args)] == avals:
-            return traced(*args)
-        return trace(*args)
-
-    functools.update_wrapper(inner, trace)
-    return inner
-
-
 class _Undonate(Exception):
     """Stops tracing the donating program of a function that can fail while it
     runs: it is compiled again with its state undonated."""
@@ -87,7 +70,7 @@ class _Undonate(Exception):
 class _Tracing(threading.local):
     storages: Any = ()
     # Set while a fresh program is traced ahead of its first call (`_probe`): a
-    # trace that calls back is then finished and replayed, not stopped.
+    # trace that calls back is then finished and reused undonated, not stopped.
     probing: bool = False
     called_back: bool = False
 
@@ -139,14 +122,16 @@ class Program:
         # records them while traced (see `_guarded`).
         self.jit_id = os.urandom(16)
 
-    def undonated(self, traced: Any = None):
+    def undonated(self):
         # For functions that can fail while running, and while debugging NaNs
-        # (`jax_debug_nans` re-runs a failing call from the same inputs). Given
-        # the trace of the donating program, it replays that trace rather than
-        # tracing the user's function again.
+        # (`jax_debug_nans` re-runs a failing call from the same inputs). It jits
+        # the same function as the donating program, whose traces JAX keeps per
+        # function and argument types (`trace_to_jaxpr`'s cache; donation is not
+        # part of its key): a trace finished by `_probe` is not made again.
         if self._undonated is None:
-            fun = self._traced if traced is None else _replaying(traced, self._traced)
-            self._undonated = jax.jit(fun, donate_argnums=(2,), **self.jitkwargs)
+            self._undonated = jax.jit(
+                self._traced, donate_argnums=(2,), **self.jitkwargs
+            )
         return self._undonated
 
     def run(
@@ -221,23 +206,24 @@ class Program:
             return self.undonated()(*inputs)
         return self.retrying(inputs)
 
-    def _undonate(self, traced: Any = None) -> None:
+    def _undonate(self) -> None:
         self.donating = False
-        self.jitted = self.undonated(traced)
+        self.jitted = self.undonated()
 
     def _probe(self, inputs: tuple) -> None:
         """Traces a fresh donating program ahead of its first call. JAX keeps the
         trace, so the call that follows does not trace again; if the program calls
-        back to the host, it is undonated around a replay of this trace, so that
-        the user's function is traced once either way."""
+        back to the host, it is undonated, and JAX's cache of traces gives the
+        undonated program the same trace: the user's function is traced once
+        either way."""
         tracing = self._tracing
         tracing.probing, tracing.called_back = True, False
         try:
-            traced = self.jitted.trace(*inputs)
+            self.jitted.trace(*inputs)
         finally:
             tracing.probing = False
         if tracing.called_back:
-            self._undonate(traced)
+            self._undonate()
 
     def retrying(self, inputs: tuple, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
@@ -292,7 +278,7 @@ class Program:
         if self.donating and _calls_back(_jax.recorded(top)):
             # A failure while running would come after XLA took the donated
             # buffers: stop before this program is compiled (or, ahead of the
-            # first call, finish the trace for `_probe` to replay undonated).
+            # first call, finish the trace for `_probe`, to be reused undonated).
             if not self._tracing.probing:
                 raise _Undonate
             self._tracing.called_back = True
