@@ -14,6 +14,10 @@ feed a section of docs/performance.md or a table elsewhere in docs/.
   spends the time a `jaxstate.jit` step does not
   (`python -m benchmarks.studies.profile_filter_jit`; a section of
   docs/performance.md).
+- `filter_jit_designs`: what each way of taking state across `eqx.filter_jit`
+  costs per call (the state reached by reference, `from_pure`, the state dict
+  threaded by hand) against Equinox's `eqx.nn.State`
+  (`python -m benchmarks.studies.filter_jit_designs`; a table in docs/design.md).
 - `versions`: two checkouts of jaxstate run alternately on the same scenarios, to
   tell whether a change made one slower
   (`python -m benchmarks.studies.versions OLD NEW --only S1,S5`); with

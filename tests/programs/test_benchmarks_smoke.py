@@ -572,3 +572,30 @@ def test_the_instruction_count_child_lists_long_rows_when_asked():
     assert names == s8_containers.ROWS + s8_containers.LONG_ROWS
     short = [v.name for v in _count_child._variants("s8_containers", long=False)]
     assert short == s8_containers.ROWS
+
+
+#
+# The eqx.filter_jit designs study (benchmarks/studies/filter_jit_designs.py).
+#
+
+
+@pytest.mark.slow  # five decoders compiled: seconds
+def test_filter_jit_designs_study_quick(capsys):
+    from benchmarks.studies import filter_jit_designs as D
+
+    (study,) = D.main(["--quick", "--only", "S6c"])
+    table = study.table()
+    assert [row[0] for row in table.rows] == D.ROWS
+    for row in table.rows:
+        # µs per call pipelined and blocked, and each against Equinox's row.
+        numbers = [float(c.replace(",", "")) for c in row[1:5]]
+        assert all(np.isfinite(x) and x > 0 for x in numbers), row
+    assert table.rows[D.ROWS.index(D.EQX)][2:5:2] == ["1.00", "1.00"]
+    # Rows 2 and 3 compute what row 1 does, before the timings and after them.
+    assert study.before.ok, study.before.summary()
+    assert study.after is not None and study.after.ok, study.after.summary()
+    assert {c[0] for c in study.after.checks} == {D.FROM_PURE, D.THREADED}
+    assert study.agree
+    printed = capsys.readouterr().out
+    assert "| state dict threaded by hand" in printed
+    assert "After the timings, rows 2 and 3 against row 1: all 3" in printed
