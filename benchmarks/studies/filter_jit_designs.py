@@ -7,7 +7,10 @@ The rows of each program:
 
 1. `eqx.filter_jit` with the model as an argument (the scenario's own row): the
    state is reached through `jax.Ref`s, so JAX dispatches every call on its
-   Python path.
+   Python path, with jaxstate's stage in it (`jaxstate._dispatch`: a program run
+   before is run directly).
+1b. The same through JAX's own dispatch (`_dispatch.jax_dispatch()` around each
+   call): what row 1 cost before that stage.
 2. `from_pure(eqx.filter_jit(to_pure(step)))`: the state crosses as plain arrays,
    automatically. `from_pure` reads the state (copies), calls the jitted pure
    step, checks the new state and writes it back, on every call. Nothing is
@@ -32,7 +35,7 @@ with row 1 (`_harness.check`). The timings are the harness's (`measure`):
 pipelined (many calls, one wait) and blocked (a wait after each) µs per call, the
 median over interleaved rounds with the starting row rotated, each row's ratio to
 Equinox's the median of the per-round ratios. Unlike the scenarios, every row runs
-the same number of calls per round, so that after the timings rows 2 and 3 can be
+the same number of calls per round, so that after the timings rows 1b, 2 and 3 can be
 checked against row 1 once more: the same results after the same (thousands of)
 calls from the same start.
 """
@@ -51,6 +54,7 @@ import jax
 import numpy as np
 
 import jaxstate
+from jaxstate import _dispatch
 
 from .. import _s6, s6_decode, s6_mlp
 from .._common import on_device
@@ -74,12 +78,14 @@ KEYS = ("S6a", "S6c")
 MODULES = {"S6a": s6_mlp, "S6c": s6_decode}
 
 FILTER_JIT = "eqx.filter_jit + jaxstate (model as argument)"
+JAX_DISPATCH = "the same, through JAX's own dispatch (without jaxstate._dispatch)"
 FROM_PURE = "from_pure(eqx.filter_jit(to_pure(step)))"
 THREADED = "state dict threaded by hand through eqx.filter_jit(to_pure(step))"
 EQX = "Equinox eqx.nn.State + eqx.filter_jit"
 JAXSTATE_JIT = _s6.JAXSTATE_JIT
-ROWS = [FILTER_JIT, FROM_PURE, THREADED, EQX, JAXSTATE_JIT]
-CHECKED = [FILTER_JIT, FROM_PURE, THREADED]  # checked again after the timings
+ROWS = [FILTER_JIT, JAX_DISPATCH, FROM_PURE, THREADED, EQX, JAXSTATE_JIT]
+# Checked again after the timings.
+CHECKED = [FILTER_JIT, JAX_DISPATCH, FROM_PURE, THREADED]
 # Several thousand training steps separate the last check from the start: each
 # program rounds its own way (as tests/helpers.py's TRAINING_ROUNDING allows).
 RTOL, ATOL = 1e-4, 1e-5
@@ -100,7 +106,7 @@ class Study:
     title: str
     result: ScenarioResult  # the timings; its baseline is Equinox's row
     before: Agreement  # every row against row 1, after `Config.check_steps` calls
-    after: Agreement | None  # rows 2 and 3 against row 1, after the timings
+    after: Agreement | None  # rows 1b, 2 and 3 against row 1, after the timings
     wall_s: float
 
     def table(self) -> Table:
@@ -269,18 +275,31 @@ DESIGNS: dict[str, dict[str, Callable[[], Variant]]] = {
 
 
 def variants(key: str) -> list[Variant]:
-    """The five rows of a program, in the table's order, committed to the device."""
+    """The rows of a program, in the table's order, committed to the device."""
     module = MODULES[key]
     row1 = module._js_variant(_s6.FILTER_JIT)
     row1.name = FILTER_JIT
     designs = DESIGNS[key]
     return [
         row1,
+        _through_jax_dispatch(module._js_variant(_s6.FILTER_JIT)),
         guarded(FROM_PURE, "jaxstate", designs[FROM_PURE]),
         guarded(THREADED, "jaxstate", designs[THREADED]),
         guarded(EQX, "peer", module._eqx_variant),
         module._js_variant(JAXSTATE_JIT),
     ]
+
+
+def _through_jax_dispatch(v: Variant) -> Variant:
+    step = v.step
+    assert step is not None
+
+    def jax_step():
+        with _dispatch.jax_dispatch():
+            return step()
+
+    v.name, v.step = JAX_DISPATCH, jax_step
+    return v
 
 
 #
@@ -340,7 +359,8 @@ def render(studies: list[Study], cfg: Config) -> list[str]:
             out.append("After the timings: not checked (row 1 did not run).")
         else:
             out.append(
-                f"After the timings, rows 2 and 3 against row 1: {st.after.summary()}."
+                f"After the timings, rows 1b, 2 and 3 against row 1: "
+                f"{st.after.summary()}."
             )
         out += [f"({st.wall_s:.0f} s)", ""]
     return out

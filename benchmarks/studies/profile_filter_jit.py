@@ -18,13 +18,16 @@ Equinox waiting for the program on every call (`marker.block_until_ready()`),
 Equinox rebuilding the outputs (`_postprocess`). Inside JAX's dispatch, clocks
 around JAX 0.10's Python dispatch path (`_infer_params`, `_run_python_pjit`,
 `_pjit_call_impl_python`, `ExecuteReplicated.__call__`, `shard_args`,
-`_get_fastpath_data`) split it further; what is left is JAX's C++ entry (flattening
-the arguments, hashing and comparing the static part, the cache lookup). The copy
+`_get_fastpath_data`) and the stage jaxstate puts in it (`jaxstate._dispatch`,
+which runs a program JAX's path has run before without it) split it further; what
+is left is JAX's C++ entry (flattening the arguments, hashing and comparing the
+static part, the cache lookup). The copy
 without the wait is timed too: what the step would cost if Equinox did not wait.
 The same JAX clocks split the `jax.jit` row's call.
 
-(c) The Python run on jaxstate's behalf per call: exact counts (cProfile) of each
-of jaxstate's functions in one call, times each one's cost measured alone. At the
+(c) The Python run on jaxstate's behalf per call, besides its dispatch (timed in
+(b)): exact counts (cProfile) of each of jaxstate's functions in one call, times
+each one's cost measured alone. At the
 top level of a compiled step jaxstate runs only pytree callbacks (its index's
 `Handle` and `FlagHolder` flatten and unflatten, the `Key` hash and equality JAX's cache
 asks for); reads and writes run only while tracing. Any other jaxstate function
@@ -85,9 +88,13 @@ EQX_STAGES = (PRE, DISPATCH, WAIT, POST, REST)
 JAX_PARTS = [
     ("`_infer_params` (avals, cache key, the cached jaxpr)", "jax._src.pjit", None,
      "_infer_params"),
-    ("`_run_python_pjit`, `_pjit_call_impl_python` (argument checks, cached "
-     "lowering and executable)", "jax._src.pjit", None, "_run_python_pjit"),
+    ("`_run_python_pjit` (jaxstate's: finds the program), `_pjit_call_impl_python` "
+     "(JAX's, when the program is not remembered: argument checks, cached lowering "
+     "and executable)", "jax._src.pjit", None, "_run_python_pjit"),
     (None, "jax._src.pjit", None, "_pjit_call_impl_python"),
+    ("jaxstate's dispatch of a remembered program (`_dispatch._call`: check the "
+     "arguments, launch, write the references)", "jaxstate._dispatch", None,
+     "_call"),
     ("`ExecuteReplicated.__call__` (launch the executable, wrap the outputs)",
      "jax._src.interpreters.pxla", "ExecuteReplicated", "__call__"),
     ("`shard_args` (check and place the argument arrays)",
@@ -282,7 +289,7 @@ def _loop_us(step: Callable[[], Any], n: int, mode: str) -> float:
     return 1e6 * spent / n
 
 
-EXECUTE = JAX_PARTS[5][0]
+EXECUTE = next(label for label, module, _, _ in JAX_PARTS if module is None)
 
 
 def _jax_clocks() -> _Clocks:
@@ -311,20 +318,29 @@ class _TimedExecutable:
 
 
 def _executables(call: Callable[[], Any]) -> list:
-    """The `ExecuteReplicated` objects that one `call()` runs."""
+    """The `ExecuteReplicated` objects that one `call()` runs: through JAX's
+    dispatch, or remembered by jaxstate's (`jaxstate._dispatch`)."""
     from jax._src.interpreters import pxla
 
-    seen, original = [], pxla.ExecuteReplicated.__call__
+    from jaxstate import _dispatch
+
+    seen, original, remembered = [], pxla.ExecuteReplicated.__call__, _dispatch._call
 
     def spy(self, *args):
         seen.append(self)
         return original(self, *args)
 
+    def spy_remembered(program, args_flat):
+        seen.append(program.run)
+        return remembered(program, args_flat)
+
     setattr(pxla.ExecuteReplicated, "__call__", spy)  # noqa: B010 - typed
+    _dispatch._call = spy_remembered
     try:
         jax.block_until_ready(call())
     finally:
         setattr(pxla.ExecuteReplicated, "__call__", original)  # noqa: B010
+        _dispatch._call = remembered
     return seen
 
 
@@ -493,6 +509,8 @@ def _jaxstate_calls(
         if "jaxstate" not in parts[:-1]:
             continue
         where = (parts[-1], name)
+        if where[0] == "_dispatch.py":
+            continue  # jaxstate's dispatch of the program: a stage of (b)
         if where in units:
             counts[where] += entry[1] / n
         elif where not in _NESTED:

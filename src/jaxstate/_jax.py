@@ -8,7 +8,8 @@ cache that `jax.clear_caches()` leaves, and two of JAX's batching rules to exten
 on, and `tests/core/test_jax_internals.py` checks each assumption on its own, so
 that moving to a newer JAX is this file's work (and that test's).
 
-Nothing outside this file imports from `jax._src`.
+Nothing outside this file imports from `jax._src`, except `_dispatch.py`, which
+replaces one stage of JAX's dispatch and is written against it.
 """
 
 import inspect

@@ -591,11 +591,15 @@ def test_filter_jit_designs_study_quick(capsys):
         numbers = [float(c.replace(",", "")) for c in row[1:5]]
         assert all(np.isfinite(x) and x > 0 for x in numbers), row
     assert table.rows[D.ROWS.index(D.EQX)][2:5:2] == ["1.00", "1.00"]
-    # Rows 2 and 3 compute what row 1 does, before the timings and after them.
+    # Rows 1b, 2 and 3 compute what row 1 does, before the timings and after them.
     assert study.before.ok, study.before.summary()
     assert study.after is not None and study.after.ok, study.after.summary()
-    assert {c[0] for c in study.after.checks} == {D.FROM_PURE, D.THREADED}
+    assert {c[0] for c in study.after.checks} == {
+        D.JAX_DISPATCH,
+        D.FROM_PURE,
+        D.THREADED,
+    }
     assert study.agree
     printed = capsys.readouterr().out
     assert "| state dict threaded by hand" in printed
-    assert "After the timings, rows 2 and 3 against row 1: all 3" in printed
+    assert "After the timings, rows 1b, 2 and 3 against row 1: all 4" in printed

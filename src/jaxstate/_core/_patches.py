@@ -1,6 +1,7 @@
 """jaxstate's only changes to JAX itself, installed on import: two narrow extensions
-of its batching rules, the commitment of references, and one cache more for
-`jax.clear_caches()` to clear.
+of its batching rules, the commitment of references, one cache more for
+`jax.clear_caches()` to clear, and a dispatch of compiled calls that touch
+references which remembers what JAX's works out (`../_dispatch.py`).
 
 The batching rules change only cases where JAX (0.10.x) raises; every other case
 goes to JAX's own rule unchanged. They exist because jaxstate keeps state in
@@ -15,7 +16,7 @@ docs/design.md, "Lifetime").
 
 import jax.lax as lax
 
-from .. import _jax
+from .. import _dispatch, _jax
 
 
 #
@@ -104,3 +105,4 @@ if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
         _jax.set_batching_rule(_prim, _rule)
 _jax.buffer_commitment_of_refs()
 _jax.clear_donation_cache_with_jax()
+_dispatch.install()

@@ -1,0 +1,261 @@
+"""JAX's dispatch of a compiled call that touches `jax.Ref`s, with what it works out
+remembered. Installed on import (`_core/_patches.py`); see docs/design.md, "The
+reference path's dispatch".
+
+JAX 0.10 runs every call of a `jax.jit` program that reads or writes a reference on
+its Python path: for each argument it works out a type, a sharding and a layout
+again, checks and places it, then runs the executable; a few µs per argument, and
+hundreds per call of a real step. For one program (one `PjitParams`, which JAX's own
+cache keeps per function and argument types) that work has the same answer while
+the arguments keep their shardings and commitment. After JAX's path has run a
+program, this module remembers the answer; later calls check each argument against
+it and run the executable directly, as JAX's C++ path does for programs without
+references. Whatever differs, and whatever this path does not do (host tokens of
+ordered effects, NaN checks, PGLE, typed PRNG keys, NumPy arguments, custom
+layouts), goes to JAX's path.
+
+Like `_jax.py`, this file is written against JAX's internals (`_run_python_pjit` is
+the stage it replaces); `tests/core/test_dispatch.py` checks it against JAX's path.
+`JAXSTATE_JAX_DISPATCH=1` in the environment leaves JAX's dispatch as it is.
+"""
+
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from jax._src import (
+    config as _config,
+    core as _core,
+    dispatch as _dispatch,
+    pjit as _pjit,
+    util as _util,
+)
+from jax._src.array import ArrayImpl as _ArrayImpl
+from jax._src.interpreters import pxla as _pxla
+from jax._src.state.types import RefEffect as _RefEffect
+from jax._src.tree_util import tree_unflatten as _unflatten
+
+
+_Ref = _core.Ref
+_jax_run = getattr(_pjit._run_python_pjit, "jax_run", _pjit._run_python_pjit)
+# Programs of one jaxpr (one per donation, sharding or other option of `jax.jit`).
+_MAX_PER_JAXPR = 8
+
+
+class _Program:
+    """What JAX's path worked out for one program."""
+
+    __slots__ = (
+        "options",  # the `jax.jit` parameters besides the jaxpr, as JAX passed them
+        "run",  # its `ExecuteReplicated` (and in it, the XLA executable)
+        "const_args",  # constants JAX passes before the arguments
+        "kept",  # the positions of the arguments the program uses, or None: all
+        "closed",  # references the program closes over, passed after them
+        "shardings",  # per argument passed: the sharding it must have
+        "seen",  # and the object of an equal one it last had
+        "committed",  # and its commitment
+        "handlers",  # make the output arrays
+        "writes",  # per output, the argument whose reference it updates, or None
+        "tokens",  # whether the program runs host callbacks or other effects
+    )
+
+
+# By `id` of the program's jaxpr: (a weak reference to it, its programs). An entry
+# lives as long as the jaxpr, which JAX's caches keep while they keep the program.
+# Nothing here holds JAX's `PjitParams`: its argument structure can hold state
+# (jaxstate's indices), which must die with the caches that keep it.
+_programs: dict[int, tuple[weakref.ref, list[_Program]]] = {}
+
+
+def _options(params: dict) -> tuple:
+    return tuple(v for k, v in params.items() if k != "jaxpr")
+
+
+def _same(options: tuple, remembered: tuple) -> bool:
+    # The same `PjitParams` has the very same objects; another with equal ones
+    # (the same jaxpr compiled again) is the same program.
+    return len(options) == len(remembered) and all(
+        a is b or a == b for a, b in zip(options, remembered, strict=True)
+    )
+
+
+def _clean_config() -> bool:
+    return (
+        _core.trace_state_clean()
+        and not _dispatch.needs_check_special()
+        and not _config.debug_key_reuse.value
+        and not _config.no_execution.value
+        and not _config.enable_pgle.value
+    )
+
+
+def _run_python_jit(p, args_flat, fun, args, kwargs):
+    """JAX's `_run_python_pjit`, with a remembered program called directly."""
+    jaxpr = p.params["jaxpr"]
+    entry = _programs.get(id(jaxpr))
+    if entry is not None and entry[0]() is jaxpr and _clean_config():
+        options = _options(p.params)
+        for program in entry[1]:
+            if _same(options, program.options):
+                out = _call(program, args_flat)
+                if out is not None:
+                    # What JAX's returns; no executable, so no C++ fast path.
+                    outs = _unflatten(p.out_tree, out)
+                    return outs, out, p.out_tree, args_flat, jaxpr, None, None, []
+                break
+    result = _jax_run(p, args_flat, fun, args, kwargs)
+    _remember(p, args_flat, result[5], result[7])
+    return result
+
+
+_run_python_jit.jax_run = _jax_run  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def _call(program: _Program, args_flat: list) -> list | None:
+    """Runs the program, as JAX's `ExecuteReplicated` does after placing the
+    arguments; `None`, having run nothing, if an argument is not as remembered."""
+    args = [*program.const_args, *args_flat]
+    kept = program.kept
+    if kept is not None:
+        args = [args[i] for i in kept]
+    if program.closed:
+        args += program.closed
+    if len(args) != len(program.shardings):
+        return None
+    bufs = []
+    seen, shardings, committed = program.seen, program.shardings, program.committed
+    for i, x in enumerate(args):
+        if type(x) is _Ref:
+            x = x._refs._buf
+        if type(x) is not _ArrayImpl or x._committed is not committed[i]:
+            return None
+        s = x.sharding
+        if s is not seen[i]:
+            # (Comparing shardings is slow: an equal one is the one seen next.)
+            if s != shardings[i]:
+                return None
+            seen[i] = s
+        if x.is_deleted():
+            return None
+        bufs.append(x)
+    executable = program.run.xla_executable
+    if program.tokens:
+        results = executable.execute_sharded(bufs, with_tokens=True)
+        tokens = results.consume_with_handlers([], strict=False)
+        program.run._handle_token_bufs(tokens, results.consume_token())
+    else:
+        results = executable.execute_sharded(bufs)
+    outs = results.consume_with_handlers(program.handlers)
+    writes = program.writes
+    if writes is None:
+        return outs
+    mine = []
+    for i, o in zip(writes, outs, strict=True):
+        if i is None:
+            mine.append(o)
+        else:
+            try:
+                args[i]._refs._buf._replace_with(o)
+            except AttributeError:  # (a float0 output, as in JAX's)
+                pass
+    return mine
+
+
+def _remember(p, args_flat: list, compiled, const_args) -> None:
+    """After JAX's path ran `p`'s program: remember it, if this path can run it."""
+    if compiled is None or type(compiled) is not _pxla.MeshExecutable:
+        return
+    run: Any = compiled.unsafe_call
+    jaxpr = p.params["jaxpr"]
+    if (
+        type(run) is not _pxla.ExecuteReplicated
+        or run.ordered_effects
+        or run.pgle_profiler is not None
+        or jaxpr.jaxpr.is_high
+        or not any(isinstance(e, _RefEffect) for e in jaxpr.effects)
+        or any(layout is not None for layout in run.in_handler.in_layouts)
+    ):
+        return
+    args = [*const_args, *args_flat]
+    kept = sorted(run.kept_var_idx)
+    keep = None if kept == list(range(len(args))) else kept
+    if keep is not None:
+        args = [args[i] for i in keep]
+    closed = list(run.mut.in_mut) if run.mut is not None else []
+    args += closed
+    shardings = list(run.in_handler.in_shardings)
+    if len(args) != len(shardings):
+        return
+    # The arguments as the next call will find them: a reference holds the
+    # program's output now, with that output's sharding and commitment.
+    bufs = [x._refs._buf if type(x) is _Ref else x for x in args]
+    if not all(
+        type(b) is _ArrayImpl and b.sharding == s
+        for b, s in zip(bufs, shardings, strict=True)
+    ):
+        return
+    program = _Program()
+    program.options = _options(p.params)
+    program.run = run
+    program.const_args = list(const_args)
+    program.kept = keep
+    program.closed = closed
+    program.shardings = shardings
+    program.seen = [b.sharding for b in bufs]
+    program.committed = [b._committed for b in bufs]
+    program.handlers = run.out_handler.handlers
+    program.writes = run.mut.out_mut if run.mut is not None else None
+    program.tokens = run.has_unordered_effects or run.has_host_callbacks
+    key = id(jaxpr)
+    entry = _programs.get(key)
+    if entry is None or entry[0]() is not jaxpr:
+        ref = weakref.ref(jaxpr, lambda _, key=key: _programs.pop(key, None))
+        entry = _programs[key] = (ref, [])
+    mine = entry[1]
+    mine[:] = [m for m in mine if not _same(program.options, m.options)]
+    if len(mine) >= _MAX_PER_JAXPR:
+        del mine[0]
+    mine.append(program)
+
+
+class _Clear:
+    """`jax.clear_caches()` forgets the remembered programs too."""
+
+    @staticmethod
+    def cache_clear() -> None:
+        _programs.clear()
+
+    @staticmethod
+    def cache_info() -> Any:
+        return len(_programs)
+
+    @staticmethod
+    def cache_keys() -> list:
+        return list(_programs)
+
+
+def install() -> None:
+    """Replaces JAX's stage (once), unless `JAXSTATE_JAX_DISPATCH=1`."""
+    if os.environ.get("JAXSTATE_JAX_DISPATCH", "") == "1":
+        return
+    if _pjit._run_python_pjit is not _run_python_jit:
+        _pjit._run_python_pjit = _run_python_jit
+        _util.register_cache(_Clear, "reference dispatch (jaxstate)")
+
+
+def installed() -> bool:
+    """Whether JAX's calls of programs with references go through this module."""
+    return _pjit._run_python_pjit is _run_python_jit
+
+
+@contextlib.contextmanager
+def jax_dispatch() -> Iterator[None]:
+    """Within: JAX's own dispatch, nothing remembered or used (for comparisons)."""
+    saved = _pjit._run_python_pjit
+    _pjit._run_python_pjit = _jax_run
+    try:
+        yield
+    finally:
+        _pjit._run_python_pjit = saved

@@ -1,0 +1,377 @@
+"""The dispatch of compiled calls that touch references (`src/jaxstate/_dispatch.py`):
+after JAX's path has run a program once, later calls run its executable directly.
+Each test runs the same calls through that path and through JAX's own
+(`_dispatch.jax_dispatch()`) and compares everything a user sees; where a call
+must go to JAX's path, it checks that it does."""
+
+import contextlib
+import gc
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+from jaxstate import _dispatch
+from tests.helpers import run_python
+
+
+@contextlib.contextmanager
+def counted(monkeypatch) -> Iterator[list]:
+    """The names of the programs whose calls reach JAX's own path."""
+    calls = []
+    jax_run = _dispatch._jax_run
+
+    def run(*args):
+        calls.append(args[0].params["name"])
+        return jax_run(*args)
+
+    monkeypatch.setattr(_dispatch, "_jax_run", run)
+    yield calls
+
+
+def both(scenario):
+    """`scenario()` run with this path and with JAX's: the two results."""
+    ours = scenario()
+    with _dispatch.jax_dispatch():
+        theirs = scenario()
+    return ours, theirs
+
+
+def assert_same(ours, theirs) -> None:
+    leaves, tree = jax.tree_util.tree_flatten(ours)
+    their_leaves, their_tree = jax.tree_util.tree_flatten(theirs)
+    assert tree == their_tree
+    for a, b in zip(leaves, their_leaves, strict=True):
+        if isinstance(b, jax.Array):
+            assert isinstance(a, jax.Array)
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert a.committed == b.committed and a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_installed_on_import():
+    assert _dispatch.installed()
+    with _dispatch.jax_dispatch():
+        assert not _dispatch.installed()
+    assert _dispatch.installed()
+
+
+def test_the_environment_leaves_jax_dispatch_alone():
+    result = run_python(
+        "-c",
+        "import jaxstate; from jaxstate import _dispatch; print(_dispatch.installed())",
+        env={**os.environ, "JAXSTATE_JAX_DISPATCH": "1"},
+        timeout=120,
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_a_reference_argument_after_the_first_call(monkeypatch):
+    def scenario():
+        ref = jax.new_ref(jnp.arange(4.0))
+
+        @jax.jit
+        def f(ref, x):
+            ref[...] = ref[...] * 2 + x
+            return ref[...].sum(), x + 1
+
+        outs = [f(ref, jnp.float32(i)) for i in range(4)]
+        return outs, ref[...]
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("f") == 1 + 4  # our first call, then JAX's four
+    assert_same(ours, theirs)
+
+
+def test_closed_over_references_and_unused_arguments(monkeypatch):
+    def scenario():
+        count = jax.new_ref(jnp.zeros((), jnp.int32))
+        total = jax.new_ref(jnp.zeros(3))
+
+        @jax.jit
+        def f(unused, x, also_unused):
+            count[...] += 1
+            total[...] = total[...] + x
+            return total[...] * 2
+
+        outs = [f(jnp.ones(5), jnp.arange(3.0) + i, jnp.int32(i)) for i in range(3)]
+        return outs, count[...], total[...]
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("f") == 1 + 3
+    assert_same(ours, theirs)
+
+
+def test_jaxstate_models_under_eqx_filter_jit(monkeypatch):
+    def scenario():
+        model = eqx.nn.Sequential(
+            [
+                eqx.nn.Linear(3, 4, key=jax.random.key(0)),
+                jaxstate.nn.BatchNorm(4, axis_name="batch", mode="ema"),
+            ]
+        )
+
+        @eqx.filter_jit
+        def step(model, x):
+            return jax.vmap(model, axis_name="batch")(x)
+
+        x = jnp.arange(24.0).reshape(6, 4)[:, :3]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jaxstate.SlowPathWarning)
+            outs = [step(model, x + i) for i in range(3)]
+        return outs, jaxstate.state_dict(model)
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("step") == 1 + 3
+    assert_same(ours, theirs)
+
+
+def test_a_donated_argument_is_consumed_and_refused_again():
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(3))
+
+        @jax.jit
+        def f(ref, x):
+            ref[...] += x
+            return x * 2
+
+        g = jax.jit(f, donate_argnums=1)
+        outs = [g(ref, jnp.ones(3)) for _ in range(3)]
+        x = jnp.ones(3)
+        outs.append(g(ref, x))
+        assert x.is_deleted()
+        with pytest.raises(RuntimeError, match="deleted") as info:
+            g(ref, x)
+        return outs, ref[...], str(info.value)
+
+    ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+
+
+def test_a_change_of_commitment_goes_to_jax(monkeypatch):
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(3))
+
+        def f(x):
+            ref[...] += x
+            return x + 1
+
+        f = jax.jit(f)
+        free = [f(jnp.ones(3)) for _ in range(2)]
+        placed = jax.device_put(jnp.ones(3), jax.devices()[0])
+        committed = [f(placed) for _ in range(2)]
+        return free, committed, ref[...]
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    free, committed, _ = ours
+    assert not any(x.committed for x in free) and all(x.committed for x in committed)
+    # Ours: the first call, and the first with a committed argument (after which
+    # the reference's buffer is committed: one more); JAX's: all four.
+    assert calls.count("f") <= 3 + 4
+    assert_same(ours, theirs)
+
+
+def raised(call) -> str:
+    """What `call()` raised: its type and message."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("did not raise")
+
+
+def test_a_failing_check_fails_as_through_jax():
+    # JAX donates a reference's buffer to the program; when the program fails
+    # (here `eqx.error_if`), no new buffer comes back and the reference is lost.
+    # (`jaxstate.jit` runs such programs undonated.) The same on both paths.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(()))
+
+        @eqx.filter_jit
+        def f(x):
+            ref[...] += 1
+            return eqx.error_if(x, x < 0, "negative")
+
+        outs = [f(jnp.float32(i)) for i in range(3)]
+        count = ref[...]
+        first = raised(lambda: f(jnp.float32(-1)))
+        assert first.startswith("EquinoxRuntimeError") and "negative" in first
+        return outs, count, first, raised(lambda: f(jnp.float32(5)))
+
+    ours, theirs = both(scenario)
+    assert ours[-1].startswith("RuntimeError: Array has been deleted")
+    assert_same(ours, theirs)
+
+
+def test_host_callbacks_run_in_order_with_the_program(monkeypatch, capfd):
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(()))
+
+        @jax.jit
+        def f(x):
+            ref[...] += x
+            jax.debug.print("at {}", ref[...])
+            return ref[...]
+
+        outs = [f(jnp.float32(1)) for _ in range(3)]
+        jax.effects_barrier()
+        return outs
+
+    with counted(monkeypatch) as calls:
+        ours = scenario()
+    assert calls.count("f") == 1
+    assert capfd.readouterr().out.split() == ["at", "1.0", "at", "2.0", "at", "3.0"]
+    with _dispatch.jax_dispatch():
+        theirs = scenario()
+    assert_same(ours, theirs)
+
+
+def test_ordered_effects_and_debug_nans_go_to_jax(monkeypatch, capfd):
+    ref = jax.new_ref(jnp.zeros(()))
+
+    @jax.jit
+    def ordered(x):
+        ref[...] += x
+        jax.debug.print("n {}", ref[...], ordered=True)
+        return ref[...]
+
+    with counted(monkeypatch) as calls:
+        for _ in range(3):
+            ordered(jnp.float32(1))
+        jax.effects_barrier()
+    assert calls.count("ordered") == 3
+    assert capfd.readouterr().out.split() == ["n", "1.0", "n", "2.0", "n", "3.0"]
+
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(()))
+
+        @jax.jit
+        def divide(x):
+            ref[...] = ref[...] / x
+            return x
+
+        divide(jnp.float32(1))
+        divide(jnp.float32(1))
+        with jax.debug_nans(True):
+            return raised(lambda: divide(jnp.float32(0)))
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("divide") == 2 + 3  # ours: the first, and with debug_nans
+    assert ours == theirs
+
+
+def test_typed_keys_and_numpy_arguments_go_to_jax(monkeypatch):
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(2))
+
+        @jax.jit
+        def f(key, x):
+            ref[...] += jax.random.normal(key, (2,)) + x
+            return ref[...]
+
+        key = jax.random.key(0)
+        return [f(key, np.ones(2, np.float32)) for _ in range(3)]
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("f") == 3 + 3
+    assert_same(ours, theirs)
+
+
+def test_under_eager_transforms_the_call_is_traced():
+    ref = jax.new_ref(jnp.zeros(()), kind="no_grad_no_remat")
+
+    @jax.jit
+    def f(x):
+        ref[...] += 1
+        return x * 3
+
+    f(jnp.float32(1))
+    f(jnp.float32(1))
+    assert float(jax.grad(f)(jnp.float32(2))) == 3.0
+    np.testing.assert_array_equal(jax.vmap(f)(jnp.arange(3.0)), [0.0, 3.0, 6.0])
+    assert float(ref[...]) == 4.0
+
+
+def test_nothing_is_kept_alive_and_clear_caches_forgets():
+    shape = (7, 13)  # (no other test's)
+
+    def live() -> int:
+        return sum(a.shape == shape for a in jax.live_arrays())
+
+    def make():
+        ref = jax.new_ref(jnp.zeros(shape))
+
+        @jax.jit
+        def f(x):
+            ref[...] += x
+            return x
+
+        return f, ref
+
+    f, ref = make()
+    for _ in range(3):
+        f(jnp.float32(1))
+    assert _dispatch._programs
+    jax.clear_caches()
+    assert not _dispatch._programs
+    for _ in range(3):
+        f(jnp.float32(1))
+    assert _dispatch._programs and live() == 1
+    np.testing.assert_array_equal(ref[...], np.full(shape, 6.0))
+    del f, ref
+    gc.collect()
+    assert live() == 0
+
+
+def test_a_model_passed_in_dies_with_jax_cache_of_it():
+    # JAX's cache of a function's traces holds its arguments' structure, and so
+    # the states of the models it saw (jaxstate's indices), until it is cleared.
+    # This path keeps nothing of that structure.
+    step = jax.jit(
+        lambda index, x: jaxstate.set_state(index, jaxstate.get_state(index) + x)
+    )
+    index = jaxstate.StateIndex(init=jnp.zeros(3))
+    for _ in range(3):
+        step(index, jnp.ones(3))
+    np.testing.assert_array_equal(index.unsafe_get(), np.full(3, 3.0))
+    storage = weakref.ref(index._handle.storage)
+    del index
+    step.clear_cache()
+    gc.collect()
+    assert storage() is None
+
+
+def test_threads_stepping_their_own_references():
+    @jax.jit
+    def step(ref, x):
+        ref[...] = ref[...] + x
+        return ref[...]
+
+    refs = [jax.new_ref(jnp.zeros(4)) for _ in range(4)]
+    step(refs[0], jnp.zeros(4))
+
+    def work(ref):
+        for _ in range(50):
+            step(ref, jnp.ones(4))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in refs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in refs:
+        np.testing.assert_array_equal(r[...], np.full(4, 50.0))
