@@ -12,10 +12,13 @@ program, this module remembers the answer; later calls check each argument again
 it and run the executable directly, as JAX's C++ path does for programs without
 references. Whatever differs, and whatever this path does not do (host tokens of
 ordered effects, NaN checks, PGLE, typed PRNG keys, NumPy arguments, custom
-layouts), goes to JAX's path.
+layouts), goes to JAX's path. Before that, JAX works out the arguments' abstract
+values to find the program; those are remembered too, per function, for the
+arguments of its last call.
 
-Like `_jax.py`, this file is written against JAX's internals (`_run_python_pjit` is
-the stage it replaces); `tests/core/test_dispatch.py` checks it against JAX's path.
+Like `_jax.py`, this file is written against JAX's internals (`_run_python_pjit` and
+`_infer_input_type` are the stages it replaces); `tests/core/test_dispatch.py`
+checks it against JAX's path.
 `JAXSTATE_JAX_DISPATCH=1` in the environment leaves JAX's dispatch as it is.
 """
 
@@ -40,6 +43,9 @@ from jax._src.tree_util import tree_unflatten as _unflatten
 
 _Ref = _core.Ref
 _jax_run = getattr(_pjit._run_python_pjit, "jax_run", _pjit._run_python_pjit)
+_jax_input_type = getattr(
+    _pjit._infer_input_type, "jax_input_type", _pjit._infer_input_type
+)
 # Programs of one jaxpr (one per donation, sharding or other option of `jax.jit`).
 _MAX_PER_JAXPR = 8
 
@@ -220,16 +226,83 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     mine.append(program)
 
 
+#
+# The arguments' types. Before it finds the program, JAX's path works out each
+# argument's abstract value (`_infer_input_type`): for an array, from its own and its
+# sharding (through a cache that compares shardings, about 1 µs an argument); for a
+# reference, its own. Remembered per function for the arguments of its last call,
+# by the identity of those objects: an argument with the same ones has the same
+# type. Any other argument, and anything not an array or a reference, goes to JAX's.
+#
+
+
+class _Types:
+    """The last call's arguments, as far as their types go."""
+
+    __slots__ = ("fun", "avals", "shardings", "types")
+
+    def __init__(self, fun: weakref.ref, avals: list, shardings: list, types: tuple):
+        self.fun = fun  # the function, weakly
+        self.avals = avals  # per argument, its `aval` (an array's) or `_aval` object
+        self.shardings = shardings  # an array's sharding object, a reference's None
+        self.types = types  # what JAX's `_infer_input_type` gave for them
+
+
+_types: dict[int, _Types] = {}
+
+
+def _infer_input_type(fun, dbg_fn, explicit_args):
+    """JAX's `_infer_input_type`, remembered for the last call's arguments."""
+    last = _types.get(id(fun))
+    if last is not None and last.fun() is fun and len(explicit_args) == len(last.avals):
+        args = zip(explicit_args, last.avals, last.shardings, strict=True)
+        for x, aval, sharding in args:
+            t = type(x)
+            if t is _ArrayImpl:
+                if x.aval is not aval or x.sharding is not sharding:
+                    break
+            elif t is not _Ref or x._aval is not aval:
+                break
+        else:
+            return last.types
+    types = _jax_input_type(fun, dbg_fn, explicit_args)
+    avals, shardings = [], []
+    for x in explicit_args:
+        t = type(x)
+        if t is _ArrayImpl:
+            avals.append(x.aval)
+            shardings.append(x.sharding)
+        elif t is _Ref:
+            avals.append(x._aval)
+            shardings.append(None)
+        else:
+            return types
+    key = id(fun)
+    if last is None or last.fun() is not fun:
+        try:
+            ref = weakref.ref(fun, lambda _, key=key: _types.pop(key, None))
+        except TypeError:  # (a callable without weak references: JAX's)
+            return types
+    else:
+        ref = last.fun
+    _types[key] = _Types(ref, avals, shardings, types)
+    return types
+
+
+_infer_input_type.jax_input_type = _jax_input_type  # pyright: ignore[reportFunctionMemberAccess]
+
+
 class _Clear:
     """`jax.clear_caches()` forgets the remembered programs too."""
 
     @staticmethod
     def cache_clear() -> None:
         _programs.clear()
+        _types.clear()
 
     @staticmethod
     def cache_info() -> Any:
-        return len(_programs)
+        return len(_programs) + len(_types)
 
     @staticmethod
     def cache_keys() -> list:
@@ -237,25 +310,29 @@ class _Clear:
 
 
 def install() -> None:
-    """Replaces JAX's stage (once), unless `JAXSTATE_JAX_DISPATCH=1`."""
+    """Replaces JAX's two stages (once), unless `JAXSTATE_JAX_DISPATCH=1`."""
     if os.environ.get("JAXSTATE_JAX_DISPATCH", "") == "1":
         return
-    if _pjit._run_python_pjit is not _run_python_jit:
+    if not installed():
         _pjit._run_python_pjit = _run_python_jit
+        _pjit._infer_input_type = _infer_input_type
         _util.register_cache(_Clear, "reference dispatch (jaxstate)")
 
 
 def installed() -> bool:
-    """Whether JAX's calls of programs with references go through this module."""
-    return _pjit._run_python_pjit is _run_python_jit
+    """Whether JAX's Python dispatch path goes through this module."""
+    return (
+        _pjit._run_python_pjit is _run_python_jit
+        and _pjit._infer_input_type is _infer_input_type
+    )
 
 
 @contextlib.contextmanager
 def jax_dispatch() -> Iterator[None]:
     """Within: JAX's own dispatch, nothing remembered or used (for comparisons)."""
-    saved = _pjit._run_python_pjit
-    _pjit._run_python_pjit = _jax_run
+    saved = _pjit._run_python_pjit, _pjit._infer_input_type
+    _pjit._run_python_pjit, _pjit._infer_input_type = _jax_run, _jax_input_type
     try:
         yield
     finally:
-        _pjit._run_python_pjit = saved
+        _pjit._run_python_pjit, _pjit._infer_input_type = saved

@@ -375,3 +375,54 @@ def test_threads_stepping_their_own_references():
         t.join()
     for r in refs:
         np.testing.assert_array_equal(r[...], np.full(4, 50.0))
+
+
+def test_argument_types_follow_every_change(monkeypatch):
+    # The types JAX works out for the arguments are remembered for the last call's
+    # arguments: another shape, dtype, weak type or reference is worked out again.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(()))
+
+        @jax.jit
+        def f(x, y):
+            ref[...] += x.sum() + y.sum()
+            return x * 2, y
+
+        xs = [jnp.ones(3), jnp.ones(3), jnp.ones(4), jnp.ones(4, jnp.int32)]
+        outs = [f(x, jnp.float32(1)) for x in xs]
+        outs += [f(jnp.ones(4), 1.0), f(jnp.ones(4), 1.0), f(jnp.ones(4), 2)]
+        return outs, ref[...]
+
+    ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+
+
+def test_a_reference_passed_twice_is_refused_after_remembered_calls():
+    def scenario():
+        a, b = jax.new_ref(jnp.zeros(2)), jax.new_ref(jnp.zeros(2))
+
+        @jax.jit
+        def f(p, q):
+            p[...] += 1
+            q[...] += 2
+            return p[...]
+
+        outs = [f(a, b), f(a, b), f(b, a)]
+        return outs, raised(lambda: f(a, a)), a[...], b[...]
+
+    ours, theirs = both(scenario)
+    assert "only one reference to a mutable array" in ours[1], ours[1]
+    assert_same(ours, theirs)
+
+
+def test_the_types_of_a_dead_function_are_forgotten():
+    def f(x):
+        return x + 1
+
+    jitted = jax.jit(f)
+    jitted(jnp.ones(2))
+    assert id(f) in _dispatch._types
+    key, dead = id(f), weakref.ref(f)
+    del f, jitted
+    gc.collect()
+    assert dead() is None and key not in _dispatch._types
