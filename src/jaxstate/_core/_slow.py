@@ -1,11 +1,12 @@
 """A warning, once per compiled function, when state is reached the slow way.
 
 A function compiled with `jax.jit` or `eqx.filter_jit` reaches state through JAX's
-references, which JAX dispatches through its Python path on every call: tens of
-microseconds, where `jaxstate.jit` (state passed as donated buffers) takes JAX's C++
-path. For a small step that is most of the step. Porting a program to jaxstate and
-keeping `eqx.filter_jit` would then make it slower than before, so it is said once,
-for each such function. Silence it with
+references, which JAX dispatches through its Python path on every call (which
+`_dispatch.py` shortens): tens of microseconds, where `jaxstate.jit` (state passed
+as donated buffers) takes JAX's C++ path. For a small step that is most of the
+step. Porting a program to jaxstate and keeping `eqx.filter_jit` could then leave
+it slower than `jaxstate.jit` would make it, so it is said once, for each such
+function. Silence it with
 `warnings.filterwarnings("ignore", category=jaxstate.SlowPathWarning)`.
 See docs/performance.md.
 """
