@@ -11,8 +11,8 @@ the arguments keep their shardings and commitment. After JAX's path has run a
 program, this module remembers the answer; later calls check each argument against
 it and run the executable directly, as JAX's C++ path does for programs without
 references. Whatever differs, and whatever this path does not do (host tokens of
-ordered effects, NaN checks, PGLE, typed PRNG keys, NumPy arguments, custom
-layouts), goes to JAX's path. Before that, JAX works out the arguments' abstract
+ordered effects, NaN checks, PGLE, NumPy arguments, custom layouts), goes to
+JAX's path. Before that, JAX works out the arguments' abstract
 values to find the program; those are remembered too, per function, for the
 arguments of its last call.
 
@@ -37,6 +37,7 @@ from jax._src import (
 )
 from jax._src.array import ArrayImpl as _ArrayImpl
 from jax._src.interpreters import pxla as _pxla
+from jax._src.random.prng import PRNGKeyArray as _KeyArray
 from jax._src.state.types import RefEffect as _RefEffect
 from jax._src.tree_util import tree_unflatten as _unflatten
 
@@ -135,6 +136,8 @@ def _call(program: _Program, args_flat: list) -> list | None:
     for i, x in enumerate(args):
         if type(x) is _Ref:
             x = x._refs._buf
+        if type(x) is _KeyArray:
+            x = x._base_array  # (passed as its data, as JAX's path does)
         if type(x) is not _ArrayImpl or x._committed is not committed[i]:
             return None
         s = x.sharding
@@ -198,9 +201,13 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     # program's output now, with that output's sharding and commitment.
     bufs = [x._refs._buf if type(x) is _Ref else x for x in args]
     if not all(
-        type(b) is _ArrayImpl and b.sharding == s
+        type(b) in (_ArrayImpl, _KeyArray) and b.sharding == s
         for b, s in zip(bufs, shardings, strict=True)
     ):
+        return
+    # A key array goes in as its data, whose sharding is the physical one.
+    data: list[Any] = [b._base_array if type(b) is _KeyArray else b for b in bufs]
+    if not all(type(d) is _ArrayImpl for d in data):
         return
     program = _Program()
     program.options = _options(p.params)
@@ -208,9 +215,12 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     program.const_args = list(const_args)
     program.kept = keep
     program.closed = closed
-    program.shardings = shardings
-    program.seen = [b.sharding for b in bufs]
-    program.committed = [b._committed for b in bufs]
+    program.shardings = [
+        d.sharding if d is not b else s
+        for b, d, s in zip(bufs, data, shardings, strict=True)
+    ]
+    program.seen = [d.sharding for d in data]
+    program.committed = [d._committed for d in data]
     program.handlers = run.out_handler.handlers
     program.writes = run.mut.out_mut if run.mut is not None else None
     program.tokens = run.has_unordered_effects or run.has_host_callbacks
@@ -230,21 +240,28 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
 # The arguments' types. Before it finds the program, JAX's path works out each
 # argument's abstract value (`_infer_input_type`): for an array, from its own and its
 # sharding (through a cache that compares shardings, about 1 µs an argument); for a
-# reference, its own. Remembered per function for the arguments of its last call,
-# by the identity of those objects: an argument with the same ones has the same
-# type. Any other argument, and anything not an array or a reference, goes to JAX's.
+# reference, its own; for a key array, from its data's and its implementation.
+# Remembered per function for the arguments of its last call, by the identity of
+# those objects: an argument with the same ones has the same type. Any other
+# argument, and anything else (NumPy arrays, scalars), goes to JAX's.
 #
 
 
 class _Types:
     """The last call's arguments, as far as their types go."""
 
-    __slots__ = ("fun", "avals", "shardings", "types")
+    __slots__ = ("fun", "avals", "shardings", "impls", "types")
 
-    def __init__(self, fun: weakref.ref, avals: list, shardings: list, types: tuple):
+    def __init__(
+        self, fun: weakref.ref, avals: list, shardings: list, impls: list, types: tuple
+    ):
         self.fun = fun  # the function, weakly
-        self.avals = avals  # per argument, its `aval` (an array's) or `_aval` object
-        self.shardings = shardings  # an array's sharding object, a reference's None
+        # Per argument: its `aval` object (an array's, or a key array's data's), or
+        # a reference's `_aval`; the array's sharding object (a reference's None);
+        # a key array's implementation (anything else's None).
+        self.avals = avals
+        self.shardings = shardings
+        self.impls = impls
         self.types = types  # what JAX's `_infer_input_type` gave for them
 
 
@@ -255,26 +272,45 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
     """JAX's `_infer_input_type`, remembered for the last call's arguments."""
     last = _types.get(id(fun))
     if last is not None and last.fun() is fun and len(explicit_args) == len(last.avals):
-        args = zip(explicit_args, last.avals, last.shardings, strict=True)
-        for x, aval, sharding in args:
+        args = zip(explicit_args, last.avals, last.shardings, last.impls, strict=True)
+        for x, aval, sharding, impl in args:
             t = type(x)
             if t is _ArrayImpl:
-                if x.aval is not aval or x.sharding is not sharding:
+                # (Not a key array's data last time: `jax.random.key_data` of a
+                # key is that very array, of another type than the key.)
+                if x.aval is not aval or x.sharding is not sharding or impl is not None:
                     break
-            elif t is not _Ref or x._aval is not aval:
+            elif t is _Ref:
+                if x._aval is not aval:
+                    break
+            elif t is _KeyArray:
+                # (A key array's type is made from its implementation and its
+                # data's type and sharding.)
+                data = x._base_array
+                if x._impl is not impl or data.aval is not aval:
+                    break
+                if data.sharding is not sharding:
+                    break
+            else:
                 break
         else:
             return last.types
     types = _jax_input_type(fun, dbg_fn, explicit_args)
-    avals, shardings = [], []
+    avals, shardings, impls = [], [], []
     for x in explicit_args:
         t = type(x)
         if t is _ArrayImpl:
             avals.append(x.aval)
             shardings.append(x.sharding)
+            impls.append(None)
         elif t is _Ref:
             avals.append(x._aval)
             shardings.append(None)
+            impls.append(None)
+        elif t is _KeyArray:
+            avals.append(x._base_array.aval)
+            shardings.append(x._base_array.sharding)
+            impls.append(x._impl)
         else:
             return types
     key = id(fun)
@@ -285,7 +321,7 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
             return types
     else:
         ref = last.fun
-    _types[key] = _Types(ref, avals, shardings, types)
+    _types[key] = _Types(ref, avals, shardings, impls, types)
     return types
 
 

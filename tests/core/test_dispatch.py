@@ -273,17 +273,62 @@ def test_ordered_effects_and_debug_nans_go_to_jax(monkeypatch, capfd):
     assert ours == theirs
 
 
-def test_typed_keys_and_numpy_arguments_go_to_jax(monkeypatch):
+def test_typed_keys_as_arguments_and_in_references(monkeypatch):
+    # A key array goes in as its data, as through JAX's path; a reference may
+    # hold one too.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(2))
+        keys = jax.new_ref(jax.random.key(1))
+
+        @jax.jit
+        def f(key, x):
+            new, sub = jax.random.split(keys[...])
+            keys[...] = new
+            ref[...] += jax.random.normal(key, (2,)) + jax.random.uniform(sub, (2,))
+            return ref[...] + x, jax.random.fold_in(key, 3)
+
+        key, outs = jax.random.key(0), []
+        for i in range(4):
+            out, key = f(key, jnp.ones(2) * i)
+            outs.append((out, jax.random.key_data(key)))
+        return outs, ref[...], jax.random.key_data(keys[...])
+
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert calls.count("f") == 1 + 4
+    assert_same(ours, theirs)
+
+
+def test_a_key_and_its_own_data_are_told_apart():
+    # `jax.random.key_data(key)` is the key's data array itself: the same `aval`
+    # and sharding objects, another type.
+    def scenario():
+        f = jax.jit(
+            lambda k: (
+                jax.random.key_data(k)
+                if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+                else k + 1
+            )
+        )
+        key = jax.random.key(7)
+        data = jax.random.key_data(key)
+        return [f(key), f(data), f(key), f(data)]
+
+    ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    np.testing.assert_array_equal(ours[1], ours[0] + 1)
+
+
+def test_numpy_and_scalar_arguments_go_to_jax(monkeypatch):
     def scenario():
         ref = jax.new_ref(jnp.zeros(2))
 
         @jax.jit
-        def f(key, x):
-            ref[...] += jax.random.normal(key, (2,)) + x
+        def f(x, y):
+            ref[...] += x * y
             return ref[...]
 
-        key = jax.random.key(0)
-        return [f(key, np.ones(2, np.float32)) for _ in range(3)]
+        return [f(np.ones(2, np.float32), 2.0) for _ in range(3)]
 
     with counted(monkeypatch) as calls:
         ours, theirs = both(scenario)
