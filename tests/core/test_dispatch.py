@@ -45,6 +45,15 @@ def both(scenario):
     return ours, theirs
 
 
+def compared(monkeypatch, scenario, name: str) -> int:
+    """`scenario()` through this path and through JAX's, the results compared;
+    how many calls of the program `name` reached JAX's stage in the two runs."""
+    with counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    return calls.count(name)
+
+
 def assert_same(ours, theirs) -> None:
     leaves, tree = jax.tree_util.tree_flatten(ours)
     their_leaves, their_tree = jax.tree_util.tree_flatten(theirs)
@@ -86,10 +95,8 @@ def test_a_reference_argument_after_the_first_call(monkeypatch):
         outs = [f(ref, jnp.float32(i)) for i in range(4)]
         return outs, ref[...]
 
-    with counted(monkeypatch) as calls:
-        ours, theirs = both(scenario)
-    assert calls.count("f") == 1 + 4  # our first call, then JAX's four
-    assert_same(ours, theirs)
+    # Our first call, then JAX's four.
+    assert compared(monkeypatch, scenario, "f") == 1 + 4
 
 
 def test_closed_over_references_and_unused_arguments(monkeypatch):
@@ -106,10 +113,7 @@ def test_closed_over_references_and_unused_arguments(monkeypatch):
         outs = [f(jnp.ones(5), jnp.arange(3.0) + i, jnp.int32(i)) for i in range(3)]
         return outs, count[...], total[...]
 
-    with counted(monkeypatch) as calls:
-        ours, theirs = both(scenario)
-    assert calls.count("f") == 1 + 3
-    assert_same(ours, theirs)
+    assert compared(monkeypatch, scenario, "f") == 1 + 3
 
 
 def test_jaxstate_models_under_eqx_filter_jit(monkeypatch):
@@ -131,10 +135,7 @@ def test_jaxstate_models_under_eqx_filter_jit(monkeypatch):
             outs = [step(model, x + i) for i in range(3)]
         return outs, jaxstate.state_dict(model)
 
-    with counted(monkeypatch) as calls:
-        ours, theirs = both(scenario)
-    assert calls.count("step") == 1 + 3
-    assert_same(ours, theirs)
+    assert compared(monkeypatch, scenario, "step") == 1 + 3
 
 
 def test_a_donated_argument_is_consumed_and_refused_again():
@@ -293,10 +294,7 @@ def test_typed_keys_as_arguments_and_in_references(monkeypatch):
             outs.append((out, jax.random.key_data(key)))
         return outs, ref[...], jax.random.key_data(keys[...])
 
-    with counted(monkeypatch) as calls:
-        ours, theirs = both(scenario)
-    assert calls.count("f") == 1 + 4
-    assert_same(ours, theirs)
+    assert compared(monkeypatch, scenario, "f") == 1 + 4
 
 
 def test_a_key_and_its_own_data_are_told_apart():
@@ -330,10 +328,7 @@ def test_numpy_and_scalar_arguments_go_to_jax(monkeypatch):
 
         return [f(np.ones(2, np.float32), 2.0) for _ in range(3)]
 
-    with counted(monkeypatch) as calls:
-        ours, theirs = both(scenario)
-    assert calls.count("f") == 3 + 3
-    assert_same(ours, theirs)
+    assert compared(monkeypatch, scenario, "f") == 3 + 3
 
 
 def test_under_eager_transforms_the_call_is_traced():
