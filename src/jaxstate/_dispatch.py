@@ -23,6 +23,7 @@ checks it against JAX's path.
 """
 
 import contextlib
+import operator
 import os
 import weakref
 from collections.abc import Iterator
@@ -55,7 +56,9 @@ class _Program:
     """What JAX's path worked out for one program."""
 
     __slots__ = (
-        "options",  # the `jax.jit` parameters besides the jaxpr, as JAX passed them
+        "names",  # the names of the `jax.jit` parameters besides the jaxpr
+        "options",  # and their values, as JAX passed them
+        "get_options",  # the values of those names, from another call's parameters
         "run",  # its `ExecuteReplicated` (and in it, the XLA executable)
         "const_args",  # constants JAX passes before the arguments
         "kept",  # the positions of the arguments the program uses, or None: all
@@ -76,16 +79,16 @@ class _Program:
 _programs: dict[int, tuple[weakref.ref, list[_Program]]] = {}
 
 
-def _options(params: dict) -> tuple:
-    return tuple(v for k, v in params.items() if k != "jaxpr")
-
-
-def _same(options: tuple, remembered: tuple) -> bool:
-    # The same `PjitParams` has the very same objects; another with equal ones
-    # (the same jaxpr compiled again) is the same program.
-    return len(options) == len(remembered) and all(
-        a is b or a == b for a, b in zip(options, remembered, strict=True)
-    )
+def _same(program: _Program, params: dict) -> bool:
+    # The same `PjitParams` has the very same objects, another with equal ones (the
+    # same jaxpr compiled again) the same program. (A tuple's `==` compares by
+    # identity first.)
+    if len(params) != len(program.names) + 1:
+        return False
+    try:
+        return program.get_options(params) == program.options
+    except KeyError:  # (other parameters: not this program)
+        return False
 
 
 def _clean_config() -> bool:
@@ -103,9 +106,8 @@ def _run_python_jit(p, args_flat, fun, args, kwargs):
     jaxpr = p.params["jaxpr"]
     entry = _programs.get(id(jaxpr))
     if entry is not None and entry[0]() is jaxpr and _clean_config():
-        options = _options(p.params)
         for program in entry[1]:
-            if _same(options, program.options):
+            if _same(program, p.params):
                 out = _call(program, args_flat)
                 if out is not None:
                     # What JAX's returns; no executable, so no C++ fast path.
@@ -210,7 +212,9 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     if not all(type(d) is _ArrayImpl for d in data):
         return
     program = _Program()
-    program.options = _options(p.params)
+    program.names = tuple(k for k in p.params if k != "jaxpr")
+    program.get_options = operator.itemgetter(*program.names)
+    program.options = program.get_options(p.params)
     program.run = run
     program.const_args = list(const_args)
     program.kept = keep
@@ -230,7 +234,7 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
         ref = weakref.ref(jaxpr, lambda _, key=key: _programs.pop(key, None))
         entry = _programs[key] = (ref, [])
     mine = entry[1]
-    mine[:] = [m for m in mine if not _same(program.options, m.options)]
+    mine[:] = [m for m in mine if not _same(m, p.params)]
     if len(mine) >= _MAX_PER_JAXPR:
         del mine[0]
     mine.append(program)

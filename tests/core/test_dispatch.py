@@ -160,6 +160,30 @@ def test_a_donated_argument_is_consumed_and_refused_again():
     assert_same(ours, theirs)
 
 
+def test_one_trace_compiled_with_and_without_donation(monkeypatch):
+    # Two `jax.jit`s of one function share its trace (JAX's cache of traces does
+    # not key on donation): two programs of one jaxpr, told apart by their options.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(3))
+
+        def f(x):
+            ref[...] += x
+            return x * 2
+
+        kept, donating = jax.jit(f), jax.jit(f, donate_argnums=0)
+        outs, deleted = [], []
+        for i in range(3):
+            for g in (kept, donating):
+                x = jnp.ones(3) * i
+                outs.append(g(x))
+                deleted.append(x.is_deleted())
+        return outs, deleted, ref[...]
+
+    assert compared(monkeypatch, scenario, "f") == 2 + 6
+    ours, _ = both(scenario)
+    assert ours[1] == [False, True] * 3
+
+
 def test_a_change_of_commitment_goes_to_jax(monkeypatch):
     def scenario():
         ref = jax.new_ref(jnp.zeros(3))
