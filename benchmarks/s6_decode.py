@@ -9,8 +9,9 @@ token). Flax runs `nnx.MultiHeadAttention(decode=True)` with its cache its own w
 (`nnx.jit`, the model passed in and its cache updated in place); Equinox, which has
 no cached attention layer, keeps the baseline's caches in an `eqx.nn.State`
 (`eqx.nn.StateIndex` per layer) and threads it through `eqx.filter_jit`. The jaxstate
-variants run the same decoder built from Equinox layers with
-`jaxstate.nn.CachedSelfAttention` (the cache in state), compiled three ways (plain
+variants run the same decoder, one token at a time as the baseline's blocks, built
+from Equinox layers with `jaxstate.nn.CachedSelfAttention` (the cache in state),
+compiled three ways (plain
 `jax.jit` takes the model's arrays and closes over the rest, since
 `eqx.nn.MultiheadAttention` holds Python numbers). The hand-threaded baseline passes
 the caches and the position in and out of `jax.jit` (donated). All start from the
@@ -195,10 +196,11 @@ class JSBlock(eqx.Module):
         )
         self.attn = jaxstate.nn.CachedSelfAttention(w["mha"], MAX_LEN)
 
-    def __call__(self, x):  # (tokens, DIM), continuing the cached sequence
-        x = x + self.attn(jax.vmap(self.norm1)(x), use_cache=True)
-        h = jax.vmap(self.up)(jax.vmap(self.norm2)(x))
-        return x + jax.vmap(self.down)(jax.nn.gelu(h))
+    def __call__(self, x):  # (DIM,): the next token of the cached sequence
+        # One token, as the Equinox row's block (the attention layer takes a
+        # sequence: here, of one).
+        x = x + self.attn(self.norm1(x)[None], use_cache=True)[0]
+        return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
 
 
 class JSDecoder(eqx.Module):
@@ -219,10 +221,10 @@ class JSDecoder(eqx.Module):
 
     def __call__(self, token):  # int32[] -> logits f32[VOCAB]
         pos = self.blocks[0].attn.cache.length()
-        x = (self.embed(token) + self.positions[pos])[None]
+        x = self.embed(token) + self.positions[pos]
         for block in self.blocks:
             x = block(x)
-        return self.unembed(self.norm(x[0]))
+        return self.unembed(self.norm(x))
 
     def reset(self):
         for block in self.blocks:

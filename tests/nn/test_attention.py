@@ -7,6 +7,7 @@ per sequence of a batch, and again after a reset.
 """
 
 import equinox as eqx
+import equinox._errors
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -340,6 +341,40 @@ def test_overflow_nan_mode_gives_nan_and_leaves_cache(jit):
     assert_unchanged(model, before)
     last = step(model, tokens[-1:])
     np.testing.assert_allclose(last, _full(model, tokens)[-1:], **TOL)
+
+
+@pytest.mark.parametrize("mode", ["off", "nan"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_overflow_with_equinox_checks_switched_off_leaves_cache(
+    monkeypatch, request, mode, padded
+):
+    # With `on_overflow="error"` and Equinox's default, a failed check stops the
+    # call, so the program does not guard its writes. With `EQX_ON_ERROR=off` or
+    # `nan` the check lets the call go on, and the guards are back: nothing is
+    # stored, the output is NaN.
+    monkeypatch.setenv("EQX_ON_ERROR", mode)
+    monkeypatch.setattr(equinox._errors, "EQX_ON_ERROR", mode)
+    # `eqx.error_if` resolves the mode when traced, inside a jit of its own: no
+    # trace of it may outlive this test (or come into it from another).
+    def clear():
+        eqx.clear_caches()
+        jax.clear_caches()
+
+    clear()
+    request.addfinalizer(clear)
+    mha = eqx.nn.MultiheadAttention(2, 6, key=jax.random.key(0))
+    attn = CachedSelfAttention(mha, max_len=4)
+    step = jaxstate.jit(lambda a, x, m: a(x, use_cache=True, padding_mask=m))
+    mask = lambda n: jnp.ones(n, bool) if padded else None
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    step(attn, x[:3], mask(3))
+    before = snapshot(attn)
+    out = step(attn, x[:2], mask(2))  # needs 2 positions, 1 is left
+    assert np.all(np.isnan(out))
+    assert_unchanged(attn, before)
+    assert int(attn.cache.length()) == 3
+    last = step(attn, x[3:], mask(1))
+    np.testing.assert_allclose(last, attn(x)[3:], **TOL)
 
 
 def test_append_returns_buffers_start_and_fits():

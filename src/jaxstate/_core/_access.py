@@ -187,7 +187,10 @@ def _with_rows(state: Any, rows: Any, start: Any) -> Any:
 
     def put(leaf, row):
         zero = jnp.zeros_like(start)
-        return lax.dynamic_update_slice(leaf, row, (start, *[zero] * (leaf.ndim - 1)))
+        at = (start, *[zero] * (leaf.ndim - 1))
+        # `start` is clamped, never negative: JAX's wrapping of negative indices
+        # would only add operations to every trace.
+        return lax.dynamic_update_slice(leaf, row, at, allow_negative_indices=False)
 
     return jtu.tree_map(put, state, rows)
 

@@ -186,9 +186,12 @@ class CachedSelfAttention(eqx.Module):
                     "CachedSelfAttention expects a boolean padding_mask of shape "
                     f"({n},), got {padding_mask.dtype}{padding_mask.shape}."
                 )
-        query = jax.vmap(mha.query_proj)(x).reshape(n, mha.num_heads, -1)
-        key_ = jax.vmap(mha.key_proj)(x).reshape(n, mha.num_heads, -1)
-        value = jax.vmap(mha.value_proj)(x).reshape(n, mha.num_heads, -1)
+        # Each projection's bound `__call__`, not the module: JAX names what it
+        # vmaps by printing it, and printing a module costs about a millisecond of
+        # every trace.
+        query = jax.vmap(mha.query_proj.__call__)(x).reshape(n, mha.num_heads, -1)
+        key_ = jax.vmap(mha.key_proj.__call__)(x).reshape(n, mha.num_heads, -1)
+        value = jax.vmap(mha.value_proj.__call__)(x).reshape(n, mha.num_heads, -1)
         # Each token's position among the real tokens; a padding token gets that
         # of the last real token before it.
         # int32, as the cache's positions (the default integer is int64 with
@@ -199,6 +202,8 @@ class CachedSelfAttention(eqx.Module):
             rank = jnp.cumsum(padding_mask, dtype=jnp.int32) - 1
         if use_cache:
             key_, value, start, fits = self.cache.append(key_, value, padding_mask)
+            if not self.cache._guards_writes():
+                fits = None  # a call that overflows does not finish
             query_pos = start + rank
             key_pos = jnp.arange(self.cache.max_len, dtype=jnp.int32)
             mask = key_pos[None, :] <= query_pos[:, None]
@@ -208,7 +213,7 @@ class CachedSelfAttention(eqx.Module):
             if padding_mask is not None:
                 mask = mask & padding_mask[None, :]
         out = _attend(query, key_, value, mask, mha.dropout, key, inference)
-        out = jax.vmap(mha.output_proj)(out.reshape(n, -1))
+        out = jax.vmap(mha.output_proj.__call__)(out.reshape(n, -1))
         if padding_mask is not None:
             out = jnp.where(padding_mask[:, None], out, 0)
         if fits is not None:

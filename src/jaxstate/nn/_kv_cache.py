@@ -1,3 +1,4 @@
+import os
 from typing import Any, Literal
 
 import equinox as eqx
@@ -235,21 +236,33 @@ class KVCache(eqx.Module):
         else:
             n_new = jnp.sum(padding_mask, dtype=index_dtype)
         fits = start + n_new <= self.max_len
+        guard = self._guards_writes()
+        before = start
         if self.on_overflow == "error":
+            # With the guards on, the check lets a call go on (`EQX_ON_ERROR`),
+            # maybe with junk (`nan`): the position then falls back on `before`.
             start = self._check_fits(start, n_new, fits)
         keys = keys.astype(all_keys.dtype)
         values = values.astype(all_values.dtype)
         if padding_mask is None:
-            # `dynamic_update_slice` would clamp the start and overwrite the last
-            # positions. When the tokens do not fit, write back what is there
-            # instead: this costs a slice of `n` positions, where a `where` over the
-            # whole buffers would copy them on every step.
             zero = jnp.zeros((), index_dtype)
-            at = (jnp.minimum(start, self.max_len - n).astype(index_dtype), zero, zero)
-            keys = jnp.where(fits, keys, lax.dynamic_slice(all_keys, at, keys.shape))
-            values = jnp.where(
-                fits, values, lax.dynamic_slice(all_values, at, values.shape)
-            )
+            at = (start, zero, zero)
+            if guard:
+                # `dynamic_update_slice` would clamp the start and overwrite the
+                # last positions. When the tokens do not fit, write back what is
+                # there instead: a slice of `n` positions, where a `where` over
+                # the whole buffers would copy them on every step.
+                at = (
+                    jnp.minimum(start, self.max_len - n).astype(index_dtype),
+                    zero,
+                    zero,
+                )
+                keys = jnp.where(
+                    fits, keys, lax.dynamic_slice(all_keys, at, keys.shape)
+                )
+                values = jnp.where(
+                    fits, values, lax.dynamic_slice(all_values, at, values.shape)
+                )
             # Only the new rows are written, and the buffers read again after:
             # in place, also on one layer's slice of caches stacked for
             # `jaxstate.scan`, where writing back the whole buffers (or reading
@@ -261,12 +274,29 @@ class KVCache(eqx.Module):
             # Real tokens to consecutive positions; padding (and everything, when
             # the tokens do not fit) to an index past the end, which is dropped.
             slot = start + jnp.cumsum(padding_mask, dtype=index_dtype) - 1
-            dest = jnp.where(padding_mask & fits, slot, self.max_len)
+            dest = jnp.where(
+                padding_mask & fits if guard else padding_mask, slot, self.max_len
+            )
             all_keys = all_keys.at[dest].set(keys, mode="drop")
             all_values = all_values.at[dest].set(values, mode="drop")
             set_state(writable(self.buffers), (all_keys, all_values))
-        set_state(writable(self.position), jnp.where(fits, start + n_new, start))
+        end = jnp.where(fits, start + n_new, before) if guard else start + n_new
+        set_state(writable(self.position), end)
         return all_keys, all_values, start, fits
+
+    def _guards_writes(self) -> bool:
+        """Whether `append` keeps tokens that do not fit out of the cache itself.
+
+        With `on_overflow="error"` and Equinox's default `EQX_ON_ERROR=raise` it
+        does not need to: eagerly the check raises before anything is written, and
+        a compiled call whose check fails writes nothing (see docs/kv-cache.md),
+        so the program is left without the guards (smaller, quicker to compile).
+        With `"nan"`, or an `EQX_ON_ERROR` that lets a failed check go on, it does.
+        """
+        # Equinox reads EQX_ON_ERROR once, when imported; this reads it when
+        # tracing, which agrees unless the variable is changed in between.
+        raises = os.environ.get("EQX_ON_ERROR", "raise") == "raise"
+        return self.on_overflow == "nan" or not raises
 
     def _check_fits(self, start, n_new, fits):
         fix = (
