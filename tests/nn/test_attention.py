@@ -354,6 +354,7 @@ def test_overflow_with_equinox_checks_switched_off_leaves_cache(
     # stored, the output is NaN.
     monkeypatch.setenv("EQX_ON_ERROR", mode)
     monkeypatch.setattr(equinox._errors, "EQX_ON_ERROR", mode)
+
     # `eqx.error_if` resolves the mode when traced, inside a jit of its own: no
     # trace of it may outlive this test (or come into it from another).
     def clear():
