@@ -1,7 +1,9 @@
 """jaxstate's only changes to JAX itself, installed on import: two narrow extensions
 of its batching rules, the commitment of references, one cache more for
-`jax.clear_caches()` to clear, and a dispatch of compiled calls that touch
-references which remembers what JAX's works out (`../_dispatch.py`).
+`jax.clear_caches()` to clear, a dispatch of compiled calls that touch
+references which remembers what JAX's works out (`../_dispatch.py`), and a
+discharge of the references a program creates that keeps its equations
+(`../_discharge.py`).
 
 The batching rules change only cases where JAX (0.10.x) raises; every other case
 goes to JAX's own rule unchanged. They exist because jaxstate keeps state in
@@ -16,7 +18,7 @@ docs/design.md, "Lifetime").
 
 import jax.lax as lax
 
-from .. import _dispatch, _jax
+from .. import _discharge, _dispatch, _jax
 
 
 #
@@ -106,3 +108,4 @@ if not getattr(_jax_swap_batcher, "jaxstate_patch", False):
 _jax.buffer_commitment_of_refs()
 _jax.clear_donation_cache_with_jax()
 _dispatch.install()
+_discharge.install()

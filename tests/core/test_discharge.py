@@ -1,0 +1,185 @@
+"""The discharge of the references a compiled program creates
+(`src/jaxstate/_discharge.py`): where every reference is created, read and written
+whole at the top of the program, their values are threaded through and the
+program keeps its equations; anything else goes to JAX's discharge. Each case is
+compared with JAX's own discharge (`_discharge.jax_discharge()`)."""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax._src.state.discharge import discharge_state
+
+import jaxstate
+from jaxstate import _discharge
+
+
+def _evaluate(closed, *args):
+    return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+
+def _both(f, *args):
+    """`f`'s program discharged by jaxstate (or `None` if it leaves it to JAX) and
+    by JAX."""
+    closed = jax.make_jaxpr(f)(*args)
+    return _discharge._threaded(closed), discharge_state(closed)
+
+
+def _assert_same_results(ours, theirs, *args):
+    got, want = _evaluate(ours, *args), _evaluate(theirs, *args)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
+def _refs_left(closed) -> bool:
+    return any(
+        isinstance(v.aval, jax.ref.AbstractRef)
+        for e in closed.jaxpr.eqns
+        for v in (*e.invars, *e.outvars)
+        if not isinstance(v, core.Literal)
+    )
+
+
+def test_whole_reads_and_writes_are_threaded():
+    def f(x):
+        ref = jax.new_ref(x)
+        other = jax.new_ref(jnp.zeros_like(x))
+        a = ref[...]
+        ref[...] = a * 2.0
+        other[...] = ref[...] + 1.0
+        ref[...] = jnp.sin(other[...])  # the old value unused: a dropped output
+        return ref[...], other[...], a
+
+    x = jnp.arange(4.0)
+    ours, theirs = _both(f, x)
+    assert ours is not None and not _refs_left(ours)
+    # No equation is made for a read or a write.
+    assert len(ours.jaxpr.eqns) < len(jax.make_jaxpr(f)(x).jaxpr.eqns)
+    _assert_same_results(ours, theirs, x)
+    assert not any(isinstance(e, core.InternalMutableArrayEffect) for e in ours.effects)
+
+
+def test_a_reference_made_from_a_constant():
+    def f(x):
+        ref = jax.new_ref(jnp.float32(3.0))
+        ref[...] = ref[...] * x
+        return ref[...]
+
+    x = jnp.float32(2.0)
+    ours, theirs = _both(f, x)
+    assert ours is not None
+    _assert_same_results(ours, theirs, x)
+
+
+@pytest.mark.parametrize(
+    "case", ["indexed read", "indexed write", "in a scan", "in a nested jit"]
+)
+def test_anything_else_is_left_to_jax(case):
+    def f(x):
+        ref = jax.new_ref(x)
+        if case == "indexed read":
+            return ref[1:3]
+        if case == "indexed write":
+            ref[0] = 5.0
+            return ref[...]
+        if case == "in a scan":
+
+            def body(c, y):
+                ref[...] = ref[...] + y
+                return c, None
+
+            lax.scan(body, None, jnp.ones((3, 4)))
+            return ref[...]
+
+        @jax.jit
+        def inner(r):
+            r[...] = r[...] * 2.0
+
+        inner(ref)
+        return ref[...]
+
+    x = jnp.arange(4.0)
+    ours, _ = _both(f, x)
+    assert ours is None
+    # And through `jax.jit`, the same numbers as JAX's discharge.
+    got = jax.jit(f)(x)
+    with _discharge.jax_discharge():
+        want = jax.jit(lambda x: f(x))(x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_write_of_another_type_is_left_to_jax():
+    # A weakly typed value written whole: threading it would change the type the
+    # rest of the program was traced with.
+    closed = jax.make_jaxpr(lambda x: x)(jnp.float32(1.0))
+    assert _discharge._threaded(closed) is not None  # (no references at all)
+
+    def f(x):
+        ref = jax.new_ref(x)
+        ref[...] = ref[...] + 1.0
+        return ref[...]
+
+    ours, theirs = _both(f, jnp.float32(1.0))
+    if ours is not None:
+        _assert_same_results(ours, theirs, jnp.float32(1.0))
+
+
+class _Net(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: jaxstate.nn.BatchNorm
+
+    def __init__(self):
+        self.linear = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+        self.norm = jaxstate.nn.BatchNorm(4, "batch", mode="batch")
+
+    def __call__(self, x):
+        return self.norm(self.linear(x))
+
+
+def _train(steps: int = 3):
+    model = _Net()
+    xs = jax.random.normal(jax.random.key(1), (8, 3))
+
+    @jaxstate.jit
+    def step(model, xs):
+        def loss(model):
+            return jnp.mean(jax.vmap(model, axis_name="batch")(xs) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        model = jax.tree.map(lambda p, g: p - 0.1 * g, model, grads)
+        return model, value
+
+    losses = []
+    for _ in range(steps):
+        model, value = step(model, xs)
+        losses.append(value)
+    mean, var = model.norm.batch_state.unsafe_get()
+    return losses, mean, var, model.linear.weight
+
+
+def test_a_stateful_step_under_vmap_and_grad_is_threaded(monkeypatch):
+    # BatchNorm reaches its state inside `jax.vmap`, through references the
+    # program creates: the case this stage is for.
+    results = []
+    threaded = _discharge._threaded
+    monkeypatch.setattr(
+        _discharge, "_threaded", lambda c: results.append(threaded(c)) or results[-1]
+    )
+    ours = _train()
+    assert results and all(r is not None for r in results)
+    with _discharge.jax_discharge():
+        theirs = _train()
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_installed_and_restored():
+    assert _discharge.installed()
+    with _discharge.jax_discharge():
+        assert not _discharge.installed()
+    assert _discharge.installed()
