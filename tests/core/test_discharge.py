@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax._src import core
 from jax._src.state.discharge import discharge_state
+from jax._src.state.types import AbstractRef
 
 import jaxstate
 from jaxstate import _discharge
@@ -38,7 +39,7 @@ def _assert_same_results(ours, theirs, *args):
 
 def _refs_left(closed) -> bool:
     return any(
-        isinstance(v.aval, jax.ref.AbstractRef)
+        isinstance(v.aval, AbstractRef)
         for e in closed.jaxpr.eqns
         for v in (*e.invars, *e.outvars)
         if not isinstance(v, core.Literal)
@@ -113,20 +114,35 @@ def test_anything_else_is_left_to_jax(case):
     np.testing.assert_array_equal(got, want)
 
 
-def test_a_write_of_another_type_is_left_to_jax():
-    # A weakly typed value written whole: threading it would change the type the
-    # rest of the program was traced with.
-    closed = jax.make_jaxpr(lambda x: x)(jnp.float32(1.0))
-    assert _discharge._threaded(closed) is not None  # (no references at all)
-
+def test_a_constant_written_is_threaded():
     def f(x):
         ref = jax.new_ref(x)
-        ref[...] = ref[...] + 1.0
-        return ref[...]
+        ref[...] = 2.0
+        return ref[...] * x
 
-    ours, theirs = _both(f, jnp.float32(1.0))
-    if ours is not None:
-        _assert_same_results(ours, theirs, jnp.float32(1.0))
+    x = jnp.float32(3.0)
+    ours, theirs = _both(f, x)
+    assert ours is not None and not _refs_left(ours)
+    _assert_same_results(ours, theirs, x)
+
+
+def test_a_write_of_another_type_is_left_to_jax():
+    # A reference made from a weakly typed constant, then written a strongly typed
+    # value: threading it would change the type the rest of the program was traced
+    # with.
+    def f(x):
+        ref = jax.new_ref(1.0)
+        ref[...] = x
+        return ref[...] + 1
+
+    x = jnp.float32(3.0)
+    ours, theirs = _both(f, x)
+    assert ours is None
+    got = jax.jit(f)(x)
+    with _discharge.jax_discharge():
+        want = jax.jit(lambda x: f(x))(x)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
 
 
 class _Net(eqx.Module):
@@ -158,6 +174,7 @@ def _train(steps: int = 3):
     for _ in range(steps):
         model, value = step(model, xs)
         losses.append(value)
+    assert model.norm.batch_state is not None
     mean, var = model.norm.batch_state.unsafe_get()
     return losses, mean, var, model.linear.weight
 
