@@ -11,8 +11,9 @@ to set off a full garbage collection. When every reference is created, read and
 written whole at the top of the program, the same result needs no new trace: each
 read is the value last written, so the program keeps its equations and only those
 that read a reference get the value instead. Anything else (indexed reads and
-writes, references inside nested programs or passed out, pinned references) goes
-to JAX's discharge, as before.
+writes, references inside nested programs or passed out, pinned references,
+programs with high-level types, which JAX's discharge also lowers) goes to JAX's
+discharge, as before.
 
 Like `_jax.py`, this file is written against JAX's internals (`_discharge_internal_refs`
 is the stage it replaces); `tests/core/test_discharge.py` checks it against JAX's.
@@ -43,6 +44,9 @@ def _threaded(closed: Any) -> Any | None:
     """`closed` (a `ClosedJaxpr`) with its references replaced by the values they
     hold, or `None` if it uses them in any way but whole, at its top level."""
     jaxpr = closed.jaxpr
+    if jaxpr.is_high:
+        # JAX's discharge also lowers high-level types, by tracing anew.
+        return None
     if any(map(_is_ref, (*jaxpr.constvars, *jaxpr.invars, *jaxpr.outvars))):
         return None
     value: dict[Any, Any] = {}  # what each reference holds now

@@ -114,6 +114,19 @@ def test_anything_else_is_left_to_jax(case):
     np.testing.assert_array_equal(got, want)
 
 
+def test_a_program_with_high_level_types_is_left_to_jax():
+    # JAX's discharge also lowers such types while it traces anew.
+    def f(x):
+        ref = jax.new_ref(x)
+        ref[...] = ref[...] * 2.0
+        return ref[...]
+
+    closed = jax.make_jaxpr(f)(jnp.arange(3.0))
+    assert _discharge._threaded(closed) is not None
+    high = closed.replace(jaxpr=closed.jaxpr.replace(is_high=True))
+    assert _discharge._threaded(high) is None
+
+
 def test_a_constant_written_is_threaded():
     def f(x):
         ref = jax.new_ref(x)
