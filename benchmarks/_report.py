@@ -333,11 +333,11 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
         )
         + ".",
     ]
-    freed = p[P.NEXT_CALL]
+    freed = p[P.MATCH]
     if freed > max(2.0, 0.25 * p[P.REBUILD]):
         lines.append(
-            f"{freed:.1f} µs go to `Memo.next_call`: the memo holds a "
-            "tuple argument (an optax state) until the next call, so the previous "
+            f"{freed:.1f} µs go to `Memo.match`: the memo holds a tuple argument "
+            "(an optax state) until the next call has matched, so the previous "
             "step's copy is freed there, about 1.5 µs per array on this machine. "
             "A hand-threaded step frees its previous state too, when the caller "
             "replaces it: the cost moves, it is not added."

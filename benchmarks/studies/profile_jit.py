@@ -6,15 +6,16 @@ around each stage of the real call path (`_JitWrapper.__call__` and `execute` in
 src/jaxstate/_jit/_wrapper.py): the stages' functions are wrapped, so there is no
 copy of the path to drift from it.
 
-- matching the arguments against the last call (`Memo.match`), the donation split;
+- matching the arguments against the last call (`Memo.match`);
 - checking the states out, with Ctrl-C deferred (`_lock.take`), and back in
   (`_lock.give`);
-- reading the state buffers, and writing the new ones back;
-- the compiled call itself (JAX's C++ dispatch of flat lists of arrays, and the
+- the compiled call itself (JAX's C++ dispatch of a flat list of arrays, and the
   static output node's Python callback);
 - rebuilding the outputs (`_outputs.rebuild`: the returned modules unflattened
   around the output arrays and remembered for the next call);
-- ending the call (`Memo.next_call`: what the last call remembered dropped).
+- the rest, inlined in `__call__` and `execute` (the eager check, the donation
+  split, reading the state buffers and writing the new ones back, ending the call):
+  the whole call with clocks less the stages above.
 
 The call with clocks, the same call without them and the hand-threaded step are
 timed in the same interleaved rounds (host µs per call: many calls, then one wait;
@@ -43,18 +44,19 @@ import jaxstate
 
 
 # The stages of a call, in order (keys of `Breakdown.pieces`).
-MATCH = "match the arguments with the last call's (`Memo.match`), donation split"
+MATCH = (
+    "match the arguments with the last call's (`Memo.match`), and so free what "
+    "only the last call's memo entries still held (an optax state's arrays)"
+)
 TAKE = "check the states out, Ctrl-C deferred (`_lock.take`)"
-READ = "read the state buffers"
-PROGRAM = "the compiled call (JAX's C++ dispatch; flat lists in and out)"
-WRITE = "write the new state buffers back"
+PROGRAM = "the compiled call (JAX's C++ dispatch; a flat list in and out)"
 GIVE = "check the states back in (`_lock.give`)"
 REBUILD = "rebuild the outputs (`_outputs.rebuild`)"
-NEXT_CALL = (
-    "end the call (`Memo.next_call`): drop the last call's memo entries, and so "
-    "free what only they still held (an optax state's arrays)"
+REST = (
+    "the rest (inlined: the eager check, the donation split, the state buffers "
+    "read and written back, the call's end)"
 )
-STAGES = (MATCH, TAKE, READ, PROGRAM, WRITE, GIVE, REBUILD, NEXT_CALL)
+STAGES = (MATCH, TAKE, PROGRAM, GIVE, REBUILD, REST)
 # Other keys of `Breakdown.pieces`.
 UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
 COPY = "jaxstate.jit, the whole call with clocks around its stages"
@@ -119,19 +121,14 @@ def breakdown(
 
 def _clocks(wrapper, program) -> "_Clocks":
     """Clocks around every stage of `wrapper`'s calls (see the module docstring)."""
-    from jaxstate import _jax
     from jaxstate._jit import _wrapper as W
 
     clocks = _Clocks()
     clocks.add(wrapper.memo, "match", MATCH)
-    clocks.add(wrapper, "_split", MATCH + " ")
     clocks.add(W, "take", TAKE)
-    clocks.add(_jax, "holder_buffers", READ)
-    clocks.add(program, "run", PROGRAM)
-    clocks.add(_jax, "set_holder_buffers", WRITE)
+    clocks.add(program, "jitted", PROGRAM)
     clocks.add(W, "give", GIVE)
     clocks.add(W, "rebuild", REBUILD)
-    clocks.add(wrapper.memo, "next_call", NEXT_CALL)
     return clocks
 
 
@@ -163,18 +160,19 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     program = last.program
     # What one call returns, to time its unflatten alone.
     captured = {}
-    run = program.run
+    jitted = program.jitted
 
     def capture(*a):
-        captured["out"] = out = run(*a)
+        captured["out"] = out = jitted(*a)
         return out
 
-    program.run = capture
+    program.jitted = capture
     try:
         jax.block_until_ready(real())
     finally:
-        del program.run
-    _, out_arrays, static = captured["out"]
+        program.jitted = jitted
+    out = captured["out"]
+    static, out_arrays = out[-1], out[len(call.holders) : -1]
     jobs, start = [], 0
     for op in program.outputs[static.value][1]:
         some = out_arrays[start : start + op.n]
@@ -206,10 +204,10 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
             finally:
                 clocks.restore()
             # Inclusive times (no stage runs inside another).
-            spent = dict(clocks.incl)
-            spent[MATCH] += spent.pop(MATCH + " ")
+            spent = {k: 1e6 * v / n for k, v in clocks.incl.items()}
+            spent[REST] = samples[COPY][-1] - sum(spent.values())
             for stage in STAGES:
-                samples[stage].append(1e6 * spent[stage] / n)
+                samples[stage].append(spent[stage])
     # The best round of each: a fixed amount of CPU work, which the machine's
     # noise only ever lengthens (as `timeit` reports).
     pieces = {k: min(v) for k, v in samples.items()}

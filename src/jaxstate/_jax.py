@@ -270,21 +270,25 @@ def buffer_holder(ref: Any) -> Any:
     return ref._refs
 
 
-_get_buf = operator.attrgetter("_buf")
+get_buf = operator.attrgetter("_buf")
+"""A holder's buffer (for `map`, on `jaxstate.jit`'s fast path)."""
 
 
 def holder_buffers(holders: list) -> list:
-    return list(map(_get_buf, holders))
+    return list(map(get_buf, holders))
 
 
 def set_holder_buffers(holders: list, bufs: list) -> None:
     if len(holders) != len(bufs):
         raise ValueError(f"{len(bufs)} buffers for {len(holders)} references")
     # (A loop in C: this runs on every call.)
-    any(map(setattr, holders, _BUF_NAMES, bufs))
+    any(map(setattr, holders, BUF_NAMES, bufs))
 
 
-_BUF_NAMES = itertools.repeat("_buf")
+BUF_NAMES = itertools.repeat("_buf")
+"""The attribute of each holder that `set_holder_buffers` sets: with
+`any(map(setattr, holders, BUF_NAMES, bufs))`, the same loop without its check,
+on `jaxstate.jit`'s fast path."""
 
 
 def buffer_commitment_of_refs() -> None:
@@ -418,6 +422,13 @@ def checkify_predicates(error: Any) -> list:
     return list(error._pred.values())
 
 
+trace_ctx = _core.trace_ctx
+EvalTrace = _core.EvalTrace
+disable_jit = _config.disable_jit
+"""For `eager_and_jitting` inlined on `jaxstate.jit`'s fast path:
+`type(trace_ctx.trace) is EvalTrace and not disable_jit.value`."""
+
+
 def eager_and_jitting() -> bool:
     """Whether a `jaxstate.jit` call runs its compiled program: in eager code, with
     `jax.disable_jit()` off (one function: this runs on every call)."""
@@ -442,6 +453,10 @@ def hide_frames_of(path: str) -> None:
     (as JAX and Equinox do for their own), and out of the frames `eqx.error_if`
     shows."""
     _traceback.register_exclusion(path)
+
+
+debug_nans, debug_infs = _config.debug_nans, _config.debug_infs
+"""For `debugging_nans` inlined: `debug_nans.value or debug_infs.value`."""
 
 
 def debugging_nans() -> bool:

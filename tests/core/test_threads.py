@@ -189,3 +189,54 @@ def test_a_finaliser_using_state_inside_jaxstate_does_not_deadlock():
     # collection, also without jaxstate: a finaliser copying an array while a
     # reference's buffer is swapped. Not tested here.)
     _run_alone(_FINALISER_READS_STATE, "finished")
+
+
+def test_calls_without_the_lock_meet_readers_and_each_other():
+    # `take` marks a call's states without the lock when no state is in use and no
+    # thread is in a section (`_core/_lock.py`). Threads stepping one shared state
+    # and one state each, while others copy the shared state eagerly, exercise
+    # every meeting of that path with the locked ones: a reader must never copy a
+    # donated buffer, and no update may be lost.
+    shared = jaxstate.StateIndex(init=jnp.array(0))
+    own = [jaxstate.StateIndex(init=jnp.array(0)) for _ in range(3)]
+    step = jaxstate.jit(
+        lambda c: jaxstate.set_state(c, jaxstate.get_state(c) + 1), donate="all"
+    )
+    step(shared)
+    for c in own:
+        step(c)
+    errors, seen, done = [], [], threading.Event()
+
+    def stepping(c):
+        try:
+            for _ in range(500):
+                step(shared)
+                step(c)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def reading():
+        try:
+            last = 0
+            while not done.is_set():
+                value = int(jaxstate.get_state(shared))
+                if value < last:  # pragma: no cover - reported below
+                    errors.append(AssertionError(f"{value} after {last}"))
+                seen.append(value)
+                last = value
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    readers = [threading.Thread(target=reading) for _ in range(2)]
+    steppers = [threading.Thread(target=stepping, args=(c,)) for c in own]
+    for t in readers + steppers:
+        t.start()
+    for t in steppers:
+        t.join()
+    done.set()
+    for t in readers:
+        t.join()
+    assert errors == []
+    assert len(seen) > 10
+    assert int(shared.unsafe_get()) == 1 + 3 * 500
+    assert [int(c.unsafe_get()) for c in own] == [501] * 3

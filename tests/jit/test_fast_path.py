@@ -147,6 +147,29 @@ def test_other_arguments_give_what_the_slow_path_gives(second):
     assert run(True) == run(False)
 
 
+def test_new_shapes_on_the_fast_path_trace_again_with_the_states(hits):
+    # A matched call goes straight to the compiled function, which JAX traces
+    # again for arrays of new shapes: that trace must still see the call's states
+    # (`Untraced` in src/jaxstate/_jit/_program.py), and each shape's output be
+    # rebuilt by its own trace's description.
+    traces = []
+
+    def body(model, x):
+        traces.append(x.shape)
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + x.size)
+        return (model.weight[0] * x, x.sum())
+
+    step = jaxstate.jit(body)
+    model = Counter()
+    shapes = [(2,), (2,), (3,), (3,), (2,), (4, 1)]
+    for shape in shapes:
+        out, total = step(model, jnp.ones(shape))
+        assert out.shape == shape and float(total) == np.prod(shape)
+    assert float(model.count.unsafe_get()) == sum(np.prod(s) for s in shapes)
+    assert traces == [(2,), (3,), (4, 1)]
+    assert hits == [True] * (len(shapes) - 1)
+
+
 def test_the_plan_keeps_no_state_alive():
     step = jaxstate.jit(_bump)
     model = Counter()

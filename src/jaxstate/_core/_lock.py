@@ -16,6 +16,8 @@ _lock = threading.Lock()
 _cond = threading.Condition(_lock)
 # Storage id -> thread that checked it out.
 _busy: dict[int, int] = {}
+# Claims a state in one dict operation, atomic under the GIL (`take`).
+_setdefault = _busy.setdefault
 # Storage id -> threads copying its buffers (`reading`), which no call may donate.
 _readers: dict[int, list[int]] = {}
 _waiting = 0  # threads waiting in `_wait_free`
@@ -52,7 +54,8 @@ def _wait_free(ids: Iterable[int], nested: bool, readers: bool = False) -> None:
     global _waiting, _holder
     me = _get_ident()
     while True:
-        owners = [_busy[i] for i in ids if i in _busy]
+        # (`get`: a call may remove its marks meanwhile, without the lock.)
+        owners = [o for o in map(_busy.get, ids) if o is not None]
         copying = (
             [t for i in ids if i in _readers for t in _readers[i]] if readers else []
         )
@@ -82,7 +85,10 @@ def _wait_free(ids: Iterable[int], nested: bool, readers: bool = False) -> None:
         _waiting += 1
         _holder = None
         try:
-            _cond.wait()
+            # (With a timeout: `give` wakes waiters without taking the lock first
+            # when none holds it, so a missed wake-up would cost a moment, not a
+            # hang; see `give`.)
+            _cond.wait(0.05)
         finally:
             _holder = me
             _waiting -= 1
@@ -148,51 +154,77 @@ def take(ids: list[int]) -> bool:
     In that order: an interrupt between the marking and the `try` that gives them
     back would otherwise leave them marked forever.
     """
-    # `take` and `give` run on every call: `_acquire`, `_release`,
-    # `enter_critical` and `exit_critical` are inlined.
-    global _holder
+    # `take` and `give` run on every call: `enter_critical` is inlined.
     me = _get_ident()
     opened = me == _main and (type(_getsignal(_SIGINT)) is _Deferring or _install())
     if opened:
         _sections.depth += 1
     try:
-        nested = _holder == me
-        if not nested:
-            _lock.acquire()
-            _holder = me
-        try:
-            if _busy or _readers:
-                _wait_free(ids, nested, readers=True)
+        if not _busy and not _readers and not _lock.locked():
+            # Without the lock when no state is in use and no thread is in a
+            # section: claim each state, then look again (see "Threads" in
+            # docs/design.md for why that order suffices under the GIL).
             for i in ids:
-                _busy[i] = me
-        finally:
-            if not nested:
-                _holder = None
-                _lock.release()
+                if _setdefault(i, me) != me:
+                    break
+            else:
+                if not _lock.locked() and not _readers:
+                    return opened
+            _take_locked(ids, me, [i for i in ids if _busy.get(i) == me])
+        else:
+            _take_locked(ids, me, ())
     except BaseException:
         exit_critical(opened)
         raise
     return opened
 
 
-def give(ids: list[int], opened: bool) -> None:
-    """Undoes `take`: the states are free again, then the section closes (raising
-    an interrupt that came during it)."""
+def _take_locked(ids: list[int], me: int, undo: Iterable[int]) -> None:
+    """`take`'s marking under the lock, first undoing the claims `undo` of a
+    lock-free attempt that met another thread."""
     global _holder
-    me = _get_ident()
     nested = _holder == me
     if not nested:
         _lock.acquire()
         _holder = me
     try:
+        if undo:
+            for i in undo:
+                del _busy[i]
+            if _waiting:
+                _cond.notify_all()
+        if _busy or _readers:
+            _wait_free(ids, nested, readers=True)
         for i in ids:
-            del _busy[i]
-        if _waiting:
-            _cond.notify_all()
+            _busy[i] = me
     finally:
         if not nested:
             _holder = None
             _lock.release()
+
+
+def give(ids: list[int], opened: bool) -> None:
+    """Undoes `take`: the states are free again, then the section closes (raising
+    an interrupt that came during it)."""
+    global _holder
+    # (`_acquire`, `_release` and `exit_critical`, inlined.) Only the owner
+    # removes its marks, one dict operation each: no lock needed. A thread that
+    # saw them and waits is woken under the lock; one that holds the lock now may
+    # be about to wait, so that case is woken too.
+    for i in ids:
+        del _busy[i]
+    if _waiting or _lock.locked():
+        me = _get_ident()
+        nested = _holder == me
+        if not nested:
+            _lock.acquire()
+            _holder = me
+        try:
+            _cond.notify_all()
+        finally:
+            if not nested:
+                _holder = None
+                _lock.release()
     if opened:
         _sections.depth -= 1
         if _sections.deferred is not None and _sections.depth == 0:

@@ -8,7 +8,7 @@ import os
 import threading
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -67,8 +67,15 @@ class _Undonate(Exception):
     runs: it is compiled again with its state undonated."""
 
 
+class Untraced(Exception):
+    """Stops a trace begun by a call that went straight to the jitted function
+    (`_wrapper.execute`'s fast path), which did not say what states it passes: JAX
+    traces again for new shapes. The call is made again through `Program.run`."""
+
+
 class _Tracing(threading.local):
-    storages: Any = ()
+    # `None` outside `Program.run` and `Program.lower`.
+    storages: Any = None
     # Set while a fresh program is traced ahead of its first call (`_probe`): a
     # trace that calls back is then finished and reused undonated, not stopped.
     probing: bool = False
@@ -86,8 +93,8 @@ class Program:
         }
         self.jitkwargs = jitkwargs
 
-        def inner(kept, bufs, donated, unused):
-            return self._inner(kept, bufs, donated, unused)
+        def inner(*flat):
+            return self._inner(flat)
 
         # JAX names the program after the function it traces: in compile logs,
         # profiles and `SlowPathWarning`s, the user's function's name.
@@ -103,7 +110,13 @@ class Program:
                 __code__=code, __name__=inner.__name__
             )
         self._traced = inner
-        self.jitted = jax.jit(inner, donate_argnums=(1, 2), **jitkwargs)
+        # The program takes its arrays flat (JAX's C++ dispatch of one flat list
+        # costs less than of nested ones), in three runs: the kept arrays, the
+        # state buffers, the donated arrays; `split` says where the second and
+        # third start. Known at the first call, and then fixed: the key fixes each.
+        self.split: tuple[int, int] | None = None
+        self._n_inputs = 0
+        self.jitted: Any = None
         self.donating = True
         self._undonated = None
         # The storages of the call being traced, per thread.
@@ -111,6 +124,9 @@ class Program:
         # Until the first call has compiled, JAX's warning about donated buffers it
         # could not reuse may be hidden (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
+        # Whether a call may go straight to `jitted`: compiled once, and donating.
+        # (`_wrapper.execute`'s fast path; anything else goes through `run`.)
+        self.ready = False
         # Set when a trace gave a state its first value: the program then writes
         # that state's own references, so it serves no other model.
         self.created = False
@@ -129,30 +145,49 @@ class Program:
         # function and argument types (`trace_to_jaxpr`'s cache; donation is not
         # part of its key): a trace finished by `_probe` is not made again.
         if self._undonated is None:
+            assert self.split is not None
             self._undonated = jax.jit(
-                self._traced, donate_argnums=(2,), **self.jitkwargs
+                self._traced,
+                donate_argnums=tuple(range(self.split[1], self._n_inputs)),
+                **self.jitkwargs,
             )
         return self._undonated
+
+    def bind(self, kept: Sequence, bufs: Sequence, donated: Sequence) -> list:
+        """The program's flat inputs; at the first call, makes the jitted function
+        for their number."""
+        flat = [*kept, *bufs, *donated]
+        split = (len(kept), len(kept) + len(bufs))
+        if self.split is None:
+            self.split, self._n_inputs = split, len(flat)
+            self.jitted = jax.jit(
+                self._traced,
+                donate_argnums=tuple(range(split[0], len(flat))),
+                **self.jitkwargs,
+            )
+        elif split != self.split or len(flat) != self._n_inputs:
+            raise AssertionError("A program was called with a different signature.")
+        return flat
 
     def run(
         self,
         storages: list,
-        inputs: tuple,
+        kept: Sequence,
+        bufs: Sequence,
+        donated: Sequence,
         hide_warning: bool,
         executable: Callable | None = None,
     ) -> Any:
-        """Calls the program with `inputs` for the states `storages`, tracing and
-        compiling it first if needed (or calls `executable`, its ahead-of-time
-        compiled form)."""
+        """Calls the program for the states `storages`, tracing and compiling it
+        first if needed (or calls `executable`, its ahead-of-time compiled form).
+        Returns its flat outputs: the new state buffers, the output arrays, and the
+        `Static` naming the trace. (A call of a program that is `ready` may go
+        straight to `jitted` instead, with the flat inputs: see `Untraced`.)"""
         tracing = self._tracing
         tracing.storages = storages
         try:
-            if (
-                executable is not None
-                or self.fresh
-                or not self.donating
-                or _jax.debugging_nans()
-            ):
+            inputs = self.bind(kept, bufs, donated)
+            if executable is not None or not self.ready or _jax.debugging_nans():
                 return self._guarded(inputs, hide_warning, executable)
             try:
                 return self.jitted(*inputs)
@@ -160,17 +195,19 @@ class Program:
                 self._undonate()
                 return self._guarded(inputs, hide_warning, executable)
         finally:
-            tracing.storages = ()
+            tracing.storages = None
 
-    def lower(self, storages: list, inputs: tuple) -> Any:
+    def lower(
+        self, storages: list, kept: Sequence, bufs: Sequence, donated: Sequence
+    ) -> Any:
         self._tracing.storages = storages
         try:
-            return self.retrying(inputs, lower=True)
+            return self.retrying(self.bind(kept, bufs, donated), lower=True)
         finally:
-            self._tracing.storages = ()
+            self._tracing.storages = None
 
     def _guarded(
-        self, inputs: tuple, hide_warning: bool, executable: Callable | None
+        self, inputs: Sequence, hide_warning: bool, executable: Callable | None
     ) -> Any:
         """A call that may trace, or run a program that calls back to the host:
         as `eqx.filter_jit` does, a failed `eqx.error_if` is raised as an
@@ -197,9 +234,10 @@ class Program:
                 raise
             raise error from None
         self.fresh = False
+        self.ready = self.donating
         return out
 
-    def _once(self, inputs: tuple, executable: Callable | None) -> Any:
+    def _once(self, inputs: Sequence, executable: Callable | None) -> Any:
         if executable is not None:
             return executable(*inputs)
         if _jax.debugging_nans():
@@ -207,10 +245,10 @@ class Program:
         return self.retrying(inputs)
 
     def _undonate(self) -> None:
-        self.donating = False
+        self.donating = self.ready = False
         self.jitted = self.undonated()
 
-    def _probe(self, inputs: tuple) -> None:
+    def _probe(self, inputs: Sequence) -> None:
         """Traces a fresh donating program ahead of its first call. JAX keeps the
         trace, so the call that follows does not trace again; if the program calls
         back to the host, it is undonated, and JAX's cache of traces gives the
@@ -225,7 +263,7 @@ class Program:
         if tracing.called_back:
             self._undonate()
 
-    def retrying(self, inputs: tuple, lower: bool = False) -> Any:
+    def retrying(self, inputs: Sequence, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
         on, if the trace turned out to be of a program that can fail while running
         (for new shapes, JAX may trace a program again, and the new one may add a
@@ -239,9 +277,14 @@ class Program:
             self._undonate()
             return self.retrying(inputs, lower)
 
-    def _inner(self, kept, bufs, donated, _):
+    def _inner(self, flat: tuple):
         top = _jax.current_trace()
+        assert self.split is not None
+        a, b = self.split
+        kept, bufs, donated = flat[:a], flat[a:b], flat[b:]
         storages = self._tracing.storages
+        if storages is None:
+            raise Untraced
         # `bufs` holds the leaves of every distinct state that has a value, slot
         # after slot.
         proxies, local, it = [], [], iter(bufs)
@@ -299,4 +342,4 @@ class Program:
         # of its type, in order, so the state's buffers (donated first) are each
         # reused for that state's own new value. (Else an optimiser's step count
         # could take a BatchNorm counter's buffer, and XLA would copy both.)
-        return new_bufs, out_arrays, Static(len(self.outputs) - 1)
+        return (*new_bufs, *out_arrays, Static(len(self.outputs) - 1))

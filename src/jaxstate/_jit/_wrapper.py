@@ -17,10 +17,13 @@ from ._cache import programs_for
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
-from ._program import Program
+from ._program import Program, Untraced
 
 
 _F = TypeVar("_F", bound=Callable)
+_trace_ctx, _EvalTrace, _disable_jit = _jax.trace_ctx, _jax.EvalTrace, _jax.disable_jit
+_get_buf, _BUF_NAMES = _jax.get_buf, _jax.BUF_NAMES
+_debug_nans, _debug_infs = _jax.debug_nans, _jax.debug_infs
 _Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
 _DONATE = ("all", "all-except-first", "warn", "warn-except-first", "none")
 
@@ -73,7 +76,8 @@ class _JitWrapper:
         functools.update_wrapper(self, fun, updated=())  # pyright: ignore
 
     def __call__(self, *args, **kwargs):
-        if not _jax.eager_and_jitting():
+        # (`_jax.eager_and_jitting()`, inlined: this runs on every call.)
+        if type(_trace_ctx.trace) is not _EvalTrace or _disable_jit.value:
             return self._inside(args, kwargs)
         matched = None if kwargs else self.memo.match(args)
         if matched is None:
@@ -122,10 +126,10 @@ class _JitWrapper:
             call = combine(parts)
             program = self._program(call)
         kept, donated = self._split(call.arrays, n_first(parts))
-        _, out_arrays, static = program.run([], (kept, [], donated, None), False)
+        out = program.run([], kept, [], donated, False)
         if program.created:
             self._forget(program, call)
-        return rebuild(program.outputs[static.value], out_arrays, call, None, False)
+        return rebuild(program.outputs[out[-1].value], out[:-1], call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -222,10 +226,25 @@ class _JitWrapper:
         # call has put the new ones back; an interrupt waits until then too.
         opened = take(ids)
         try:
-            inputs = (kept, _jax.holder_buffers(holders), donated, None)
-            out = program.run(call.storages, inputs, self.hide_warning, executable)
-            new_bufs, out_arrays, static = out
-            _jax.set_holder_buffers(holders, new_bufs)
+            # (`_jax.holder_buffers` and `set_holder_buffers`, inlined.)
+            bufs = list(map(_get_buf, holders))
+            if (
+                program.ready
+                and executable is None
+                and not (_debug_nans.value or _debug_infs.value)
+            ):
+                # Every call of a training loop: straight to JAX's C++ dispatch.
+                try:
+                    out = program.jitted(*kept, *bufs, *donated)
+                except Untraced:
+                    # New shapes: traced again, with the states named.
+                    out = program.run(call.storages, kept, bufs, donated, False)
+            else:
+                out = program.run(
+                    call.storages, kept, bufs, donated, self.hide_warning, executable
+                )
+            n = len(bufs)
+            any(map(setattr, holders, _BUF_NAMES, out[:n]))
         finally:
             give(ids, opened)
         created = program.created
@@ -234,9 +253,11 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         out = rebuild(
-            program.outputs[static.value], out_arrays, call, self.memo, not created
+            program.outputs[out[-1].value], out[n:-1], call, self.memo, not created
         )
-        self.memo.next_call()
+        # (`self.memo.next_call()`, inlined.)
+        memo = self.memo
+        memo.entries, memo.used = memo.used, {}
         return out
 
     def lower(self, *args, **kwargs) -> "Lowered":
@@ -249,9 +270,9 @@ class _JitWrapper:
         while True:
             program, call, first = self.prepare(args, kwargs)
             kept, donated = self._split(call.arrays, first)
-            inputs = (kept, _jax.holder_buffers(call.holders), donated, None)
+            bufs = _jax.holder_buffers(call.holders)
             try:
-                lowered = program.lower(call.storages, inputs)
+                lowered = program.lower(call.storages, kept, bufs, donated)
                 break
             except ReachedByClosure as e:
                 with self.lock:
