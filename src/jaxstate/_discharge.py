@@ -17,9 +17,11 @@ discharge, as before.
 
 Like `_jax.py`, this file is written against JAX's internals (`_discharge_internal_refs`
 is the stage it replaces); `tests/core/test_discharge.py` checks it against JAX's.
+`JAXSTATE_JAX_DISCHARGE=1` in the environment leaves JAX's discharge as it is.
 """
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +120,9 @@ _discharge_internal_refs.jax_discharge = _jax_discharge  # pyright: ignore
 
 
 def install() -> None:
+    """Replaces JAX's discharge, unless `JAXSTATE_JAX_DISCHARGE=1`."""
+    if os.environ.get("JAXSTATE_JAX_DISCHARGE", "") == "1":
+        return
     _pxla._discharge_internal_refs = _discharge_internal_refs
 
 

@@ -4,6 +4,8 @@ whole at the top of the program, their values are threaded through and the
 program keeps its equations; anything else goes to JAX's discharge. Each case is
 compared with JAX's own discharge (`_discharge.jax_discharge()`)."""
 
+import os
+
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -16,6 +18,7 @@ from jax._src.state.types import AbstractRef
 
 import jaxstate
 from jaxstate import _discharge
+from tests.helpers import run_python
 
 
 def _evaluate(closed, *args):
@@ -213,3 +216,20 @@ def test_installed_and_restored():
     with _discharge.jax_discharge():
         assert not _discharge.installed()
     assert _discharge.installed()
+
+
+def test_the_environment_leaves_jax_discharge_alone():
+    program = (
+        "import jax, jax.numpy as jnp, jaxstate; from jaxstate import _discharge; "
+        "c = jaxstate.StateIndex(init=jnp.zeros(2)); "
+        "f = jaxstate.jit(lambda c: jax.vmap(lambda x: x)(jaxstate.get_state(c))); "
+        "print(_discharge.installed(), f(c).tolist())"
+    )
+    for env, expected in (("1", "False"), ("", "True")):
+        result = run_python(
+            "-c",
+            program,
+            env={**os.environ, "JAXSTATE_JAX_DISCHARGE": env},
+            timeout=120,
+        )
+        assert result.stdout.strip().split(maxsplit=1) == [expected, "[0.0, 0.0]"]
