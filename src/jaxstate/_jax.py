@@ -422,17 +422,19 @@ def checkify_predicates(error: Any) -> list:
     return list(error._pred.values())
 
 
-trace_ctx = _core.trace_ctx
+# The current trace, as a config state (`trace_ctx.trace` is a Python property
+# that reads it).
+current_trace_state = _core.trace_state_strong_ref
 EvalTrace = _core.EvalTrace
 disable_jit = _config.disable_jit
 """For `eager_and_jitting` inlined on `jaxstate.jit`'s fast path:
-`type(trace_ctx.trace) is EvalTrace and not disable_jit.value`."""
+`type(current_trace_state.value) is EvalTrace and not disable_jit.value`."""
 
 
 def eager_and_jitting() -> bool:
     """Whether a `jaxstate.jit` call runs its compiled program: in eager code, with
     `jax.disable_jit()` off (one function: this runs on every call)."""
-    return type(_core.trace_ctx.trace) is _core.EvalTrace and not (
+    return type(current_trace_state.value) is _core.EvalTrace and not (
         _config.disable_jit.value
     )
 

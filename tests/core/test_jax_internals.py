@@ -59,6 +59,22 @@ def test_building_a_program_inside_bodies_but_not_under_eager_transforms():
     assert out == [False, False, False, False, True, True, True]
 
 
+def test_the_current_trace_is_a_config_state_and_eager_calls_run_programs():
+    # `jaxstate.jit` reads the trace from the config state behind `trace_ctx.trace`.
+    out, probe = _seen(
+        lambda: (
+            _jax.current_trace_state.value is _jax.current_trace(),
+            _jax.eager_and_jitting(),
+        )
+    )
+    probe()
+    jax.grad(lambda x: probe(x) * 2.0)(1.0)
+    jax.jit(probe)(1.0)
+    with jax.disable_jit():
+        probe()
+    assert out == [(True, True), (True, False), (True, False), (True, False)]
+
+
 def test_jit_disabled_reads_the_config():
     assert not _jax.jit_disabled()
     with jax.disable_jit():

@@ -152,10 +152,9 @@ class Memo:
         last = self.last
         if last is None or not last.fast:
             return None
-        keys = last.keys
-        if len(args) != len(keys) - 2 or keys[0] is not self.fun.key:
+        keys, fun = last.keys, self.fun
+        if len(args) != len(keys) - 2 or keys[0] is not fun.key:
             return None
-        fun = self.fun
         arrays = list(fun.arrays)
         call = fun if fun.storages else EMPTY
         entries, used, storages = self.entries, self.used, last.storages
@@ -166,7 +165,8 @@ class Memo:
                     return None
                 arrays.append(arg)
                 continue
-            entry = entries.get(id(arg))
+            n = id(arg)
+            entry = entries.get(n)
             if entry is None or entry[0]() is not arg:
                 return None
             part = entry[1]
@@ -179,7 +179,7 @@ class Memo:
                 if storages is not None and not _same(part.storages, storages[i]):
                     return None
                 call = part
-            used[id(arg)] = entry
+            used[n] = entry
             arrays += entry[2]
         # What the last call remembered and this one does not use goes now, not
         # at the end of the call: a training loop's previous optimiser state (a

@@ -2,7 +2,7 @@
 time), and how each call rebuilds it. See README.md beside this file.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -143,7 +143,7 @@ class OutputPlan:
             template = self._statics
         return template
 
-    def leaves(self, arrays: list, call: Part) -> list:
+    def leaves(self, arrays: Sequence, call: Part) -> list:
         """The leaves to unflatten `treedef` with, from a call's output arrays."""
         leaves = self.template(call).copy()
         # (A loop in C.)
@@ -268,13 +268,22 @@ def describe(
     return arrays, (is_tuple, described)
 
 
-def rebuild(description: Description, arrays: list, call: Part, memo, remember):
-    """A call's output, from what it returned; the modules among it are remembered
-    in `memo` (with `remember`) unless the program gave a state its first value.
-    (`memo` is `None` for a call under another transform, which remembers
-    nothing.)"""
+def rebuild(
+    description: Description,
+    arrays: Sequence,
+    start: int,
+    call: Part,
+    memo,
+    remember: bool,
+):
+    """A call's output, from what it returned (its output arrays are `arrays`
+    from `start` on); the modules among it are remembered in `memo` (with
+    `remember`) unless the program gave a state its first value. (`memo` is `None`
+    for a call under another transform, which remembers nothing.)"""
     is_tuple, described = description
-    outs, start = [], 0
+    if not is_tuple and described[0].is_leaf:
+        return arrays[start]  # One array (a loss): the common case, without a loop.
+    outs = []
     for op in described:
         if op.is_leaf:
             outs.append(arrays[start])

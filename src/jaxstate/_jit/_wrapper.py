@@ -21,7 +21,8 @@ from ._program import Program, Untraced
 
 
 _F = TypeVar("_F", bound=Callable)
-_trace_ctx, _EvalTrace, _disable_jit = _jax.trace_ctx, _jax.EvalTrace, _jax.disable_jit
+_trace_state, _EvalTrace = _jax.current_trace_state, _jax.EvalTrace
+_disable_jit = _jax.disable_jit
 _get_buf, _BUF_NAMES = _jax.get_buf, _jax.BUF_NAMES
 _debug_nans, _debug_infs = _jax.debug_nans, _jax.debug_infs
 _Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
@@ -77,16 +78,18 @@ class _JitWrapper:
 
     def __call__(self, *args, **kwargs):
         # (`_jax.eager_and_jitting()`, inlined: this runs on every call.)
-        if type(_trace_ctx.trace) is not _EvalTrace or _disable_jit.value:
+        if type(_trace_state.value) is not _EvalTrace or _disable_jit.value:
             return self._inside(args, kwargs)
-        matched = None if kwargs else self.memo.match(args)
+        memo = self.memo
+        matched = None if kwargs else memo.match(args)
         if matched is None:
             program, call, first = self.prepare(args, kwargs)
             arrays = call.arrays
         else:
-            last = self.memo.last
+            last = memo.last
             assert last is not None
-            (arrays, call), program, first = matched, last.program, last.n_first
+            arrays, call = matched
+            program, first = last.program, last.n_first
         try:
             return self.execute(program, call, arrays, first)
         except ReachedByClosure as e:
@@ -129,7 +132,7 @@ class _JitWrapper:
         out = program.run([], kept, [], donated, False)
         if program.created:
             self._forget(program, call)
-        return rebuild(program.outputs[out[-1].value], out[:-1], call, None, False)
+        return rebuild(program.outputs[out[-1].value], out, 0, call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -216,9 +219,9 @@ class _JitWrapper:
         # (`_split`, inlined: this runs on every call.)
         donate = self.donate
         if donate == "none":
-            kept, donated = arrays, []
+            kept, donated = arrays, ()
         elif donate == "all" or donate == "warn":
-            kept, donated = [], arrays
+            kept, donated = (), arrays
         else:
             kept, donated = arrays[:first], arrays[first:]
         ids, holders = call.ids, call.holders
@@ -227,7 +230,6 @@ class _JitWrapper:
         opened = take(ids)
         try:
             # (`_jax.holder_buffers` and `set_holder_buffers`, inlined.)
-            bufs = list(map(_get_buf, holders))
             if (
                 program.ready
                 and executable is None
@@ -235,16 +237,19 @@ class _JitWrapper:
             ):
                 # Every call of a training loop: straight to JAX's C++ dispatch.
                 try:
-                    out = program.jitted(*kept, *bufs, *donated)
+                    out = program.jitted(*kept, *map(_get_buf, holders), *donated)
                 except Untraced:
                     # New shapes: traced again, with the states named.
+                    bufs = list(map(_get_buf, holders))
                     out = program.run(call.storages, kept, bufs, donated, False)
             else:
+                bufs = list(map(_get_buf, holders))
                 out = program.run(
                     call.storages, kept, bufs, donated, self.hide_warning, executable
                 )
-            n = len(bufs)
-            any(map(setattr, holders, _BUF_NAMES, out[:n]))
+            n = len(holders)
+            # (`map` stops with `holders`: the new state buffers come first.)
+            any(map(setattr, holders, _BUF_NAMES, out))
         finally:
             give(ids, opened)
         created = program.created
@@ -253,7 +258,7 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         out = rebuild(
-            program.outputs[out[-1].value], out[n:-1], call, self.memo, not created
+            program.outputs[out[-1].value], out, n, call, self.memo, not created
         )
         # (`self.memo.next_call()`, inlined.)
         memo = self.memo
