@@ -150,8 +150,8 @@ def test_other_arguments_give_what_the_slow_path_gives(second):
 def test_new_shapes_on_the_fast_path_trace_again_with_the_states(hits):
     # A matched call goes straight to the compiled function, which JAX traces
     # again for arrays of new shapes: that trace must still see the call's states
-    # (`Untraced` in src/jaxstate/_jit/_program.py), and each shape's output be
-    # rebuilt by its own trace's description.
+    # (`Program.tracing`), and each shape's output be rebuilt by its own trace's
+    # description.
     traces = []
 
     def body(model, x):
@@ -168,6 +168,38 @@ def test_new_shapes_on_the_fast_path_trace_again_with_the_states(hits):
     assert float(model.count.unsafe_get()) == sum(np.prod(s) for s in shapes)
     assert traces == [(2,), (3,), (4, 1)]
     assert hits == [True] * (len(shapes) - 1)
+
+
+def test_every_shape_of_a_shared_program_takes_jaxs_cpp_dispatch(monkeypatch):
+    # Two wrappers of one function share its programs; the second's arrays have
+    # other shapes, so its first call traces the first's program again on the fast
+    # path. JAX's C++ dispatch never takes a signature whose trace once raised: a
+    # retry after an exception sent every later call of those shapes through JAX's
+    # Python path, twice as slow on S5's long scan.
+    from jax._src import pjit
+
+    def body(model, x):
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return x.sum()
+
+    short, long = jaxstate.jit(body), jaxstate.jit(body)
+    model = Counter()
+    for _ in range(3):
+        short(model, jnp.ones(2))
+        long(model, jnp.ones(5))
+    python_calls = []
+    run = pjit._run_python_pjit
+
+    def counted(*args, **kwargs):
+        python_calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(pjit, "_run_python_pjit", counted)
+    for _ in range(3):
+        assert float(short(model, jnp.ones(2))) == 2.0
+        assert float(long(model, jnp.ones(5))) == 5.0
+    assert python_calls == []
+    assert float(model.count.unsafe_get()) == 12
 
 
 def test_the_plan_keeps_no_state_alive():

@@ -62,19 +62,13 @@ def _calls_back(eqns) -> bool:
     return False
 
 
-class _Undonate(Exception):
+class Undonate(Exception):
     """Stops tracing the donating program of a function that can fail while it
     runs: it is compiled again with its state undonated."""
 
 
-class Untraced(Exception):
-    """Stops a trace begun by a call that went straight to the jitted function
-    (`_wrapper.execute`'s fast path), which did not say what states it passes: JAX
-    traces again for new shapes. The call is made again through `Program.run`."""
-
-
 class _Tracing(threading.local):
-    # `None` outside `Program.run` and `Program.lower`.
+    # The states of the call being made, `None` outside a call or lowering.
     storages: Any = None
     # Set while a fresh program is traced ahead of its first call (`_probe`): a
     # trace that calls back is then finished and reused undonated, not stopped.
@@ -120,7 +114,7 @@ class Program:
         self.donating = True
         self._undonated = None
         # The storages of the call being traced, per thread.
-        self._tracing = _Tracing()
+        self.tracing = _Tracing()
         # Until the first call has compiled, JAX's warning about donated buffers it
         # could not reuse may be hidden (as `eqx.filter_jit(donate="all")` does).
         self.fresh = True
@@ -182,8 +176,9 @@ class Program:
         first if needed (or calls `executable`, its ahead-of-time compiled form).
         Returns its flat outputs: the new state buffers, the output arrays, and the
         `Static` naming the trace. (A call of a program that is `ready` may go
-        straight to `jitted` instead, with the flat inputs: see `Untraced`.)"""
-        tracing = self._tracing
+        straight to `jitted` instead, with the flat inputs and `tracing.storages`
+        set.)"""
+        tracing = self.tracing
         tracing.storages = storages
         try:
             inputs = self.bind(kept, bufs, donated)
@@ -191,8 +186,8 @@ class Program:
                 return self._guarded(inputs, hide_warning, executable)
             try:
                 return self.jitted(*inputs)
-            except _Undonate:
-                self._undonate()
+            except Undonate:
+                self.stop_donating()
                 return self._guarded(inputs, hide_warning, executable)
         finally:
             tracing.storages = None
@@ -200,11 +195,11 @@ class Program:
     def lower(
         self, storages: list, kept: Sequence, bufs: Sequence, donated: Sequence
     ) -> Any:
-        self._tracing.storages = storages
+        self.tracing.storages = storages
         try:
             return self.retrying(self.bind(kept, bufs, donated), lower=True)
         finally:
-            self._tracing.storages = None
+            self.tracing.storages = None
 
     def _guarded(
         self, inputs: Sequence, hide_warning: bool, executable: Callable | None
@@ -244,7 +239,7 @@ class Program:
             return self.undonated()(*inputs)
         return self.retrying(inputs)
 
-    def _undonate(self) -> None:
+    def stop_donating(self) -> None:
         self.donating = self.ready = False
         self.jitted = self.undonated()
 
@@ -254,14 +249,14 @@ class Program:
         back to the host, it is undonated, and JAX's cache of traces gives the
         undonated program the same trace: the user's function is traced once
         either way."""
-        tracing = self._tracing
+        tracing = self.tracing
         tracing.probing, tracing.called_back = True, False
         try:
             self.jitted.trace(*inputs)
         finally:
             tracing.probing = False
         if tracing.called_back:
-            self._undonate()
+            self.stop_donating()
 
     def retrying(self, inputs: Sequence, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
@@ -273,8 +268,8 @@ class Program:
         jitted = self.jitted
         try:
             return jitted.lower(*inputs) if lower else jitted(*inputs)
-        except _Undonate:
-            self._undonate()
+        except Undonate:
+            self.stop_donating()
             return self.retrying(inputs, lower)
 
     def _inner(self, flat: tuple):
@@ -282,9 +277,12 @@ class Program:
         assert self.split is not None
         a, b = self.split
         kept, bufs, donated = flat[:a], flat[a:b], flat[b:]
-        storages = self._tracing.storages
-        if storages is None:
-            raise Untraced
+        storages = self.tracing.storages
+        # Every call names its states first (`run`, `lower`, `_wrapper.execute`).
+        # (Not an exception of our own that a retry catches: JAX's C++ dispatch
+        # never takes a signature whose trace once raised, so every later call of
+        # those shapes would go through JAX's Python path.)
+        assert storages is not None, "a program traced without its states"
         # `bufs` holds the leaves of every distinct state that has a value, slot
         # after slot.
         proxies, local, it = [], [], iter(bufs)
@@ -322,9 +320,9 @@ class Program:
             # A failure while running would come after XLA took the donated
             # buffers: stop before this program is compiled (or, ahead of the
             # first call, finish the trace for `_probe`, to be reused undonated).
-            if not self._tracing.probing:
-                raise _Undonate
-            self._tracing.called_back = True
+            if not self.tracing.probing:
+                raise Undonate
+            self.tracing.called_back = True
         new_bufs = [r[...] for r in local]
         failed = _checkify_failed(out)
         if failed is not None:

@@ -17,7 +17,7 @@ from ._cache import programs_for
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
-from ._program import Program, Untraced
+from ._program import Program, Undonate
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -236,12 +236,20 @@ class _JitWrapper:
                 and not (_debug_nans.value or _debug_infs.value)
             ):
                 # Every call of a training loop: straight to JAX's C++ dispatch.
+                # (JAX traces again for arrays of new shapes: name the states.)
+                tracing = program.tracing
+                tracing.storages = call.storages
                 try:
                     out = program.jitted(*kept, *map(_get_buf, holders), *donated)
-                except Untraced:
-                    # New shapes: traced again, with the states named.
+                except Undonate:
+                    # That new trace calls back to the host: run it undonated.
+                    program.stop_donating()
                     bufs = list(map(_get_buf, holders))
-                    out = program.run(call.storages, kept, bufs, donated, False)
+                    out = program.run(
+                        call.storages, kept, bufs, donated, self.hide_warning
+                    )
+                finally:
+                    tracing.storages = None
             else:
                 bufs = list(map(_get_buf, holders))
                 out = program.run(
