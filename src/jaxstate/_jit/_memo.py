@@ -5,6 +5,7 @@ the fast path (`Memo.match`). See README.md beside this file.
 
 import operator
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -203,7 +204,7 @@ class Memo:
         if last is not None and last.program is program:
             self.last = None
 
-    def remember(self, tree, part: Part, arrays: list, guard: Guard | None) -> None:
+    def remember(self, tree, part: Part, arrays: Sequence, guard: Guard | None) -> None:
         """Remembers the part of `tree`, with its arrays and its guard (kept beside
         the part: a returned module's part is shared by every call)."""
         # Tuples, lists and dicts, which have no weak references, until the next

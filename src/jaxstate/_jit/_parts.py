@@ -136,7 +136,7 @@ class Part:
     def __init__(
         self,
         key: Any,
-        arrays: list,
+        arrays: Sequence,
         storages: list[Storage],
         handles: list[Handle],
         holders_: list | None = None,
@@ -181,7 +181,7 @@ class Part:
     def derive(
         self,
         key,
-        arrays: list,
+        arrays: Sequence,
         statics: Sequence[Storage] = (),
         fixed: bool = True,
         guard: Guard | None = None,

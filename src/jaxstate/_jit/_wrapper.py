@@ -5,7 +5,7 @@ see README.md beside this file.
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload, TypeVar
 
 import jax
@@ -190,7 +190,7 @@ class _JitWrapper:
             for storage in call.statics:
                 storage.kept[:] = [e for e in storage.kept if e[2] is not program]
 
-    def _split(self, arrays: list, first: int) -> tuple[list, list]:
+    def _split(self, arrays: Sequence, first: int) -> tuple[Sequence, Sequence]:
         """(kept, donated) arrays."""
         donate = self.donate
         if donate == "none":
@@ -204,7 +204,7 @@ class _JitWrapper:
         self,
         program: Program,
         call: Part,
-        arrays: list,
+        arrays: Sequence,
         first: int,
         executable: Callable | None = None,
     ) -> Any:
