@@ -14,7 +14,8 @@ copy of the path to drift from it.
 - rebuilding the outputs (`_outputs.rebuild`: the returned modules unflattened
   around the output arrays and remembered for the next call);
 - the rest, inlined in `__call__` and `execute` (the eager check, the donation
-  split, reading the state buffers and writing the new ones back, ending the call):
+  split, reading the state buffers and writing the new ones back, and the call's
+  end, `Memo.next_call`):
   the whole call with clocks less the stages above.
 
 The call with clocks, the same call without them and the hand-threaded step are
@@ -54,7 +55,7 @@ GIVE = "check the states back in (`_lock.give`)"
 REBUILD = "rebuild the outputs (`_outputs.rebuild`)"
 REST = (
     "the rest (inlined: the eager check, the donation split, the state buffers "
-    "read and written back, the call's end)"
+    "read and written back; the call's end, `Memo.next_call`)"
 )
 STAGES = (MATCH, TAKE, PROGRAM, GIVE, REBUILD, REST)
 # Other keys of `Breakdown.pieces`.

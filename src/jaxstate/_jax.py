@@ -423,20 +423,12 @@ def checkify_predicates(error: Any) -> list:
 
 
 # The current trace, as a config state (`trace_ctx.trace` is a Python property
-# that reads it).
+# that reads it). `jaxstate.jit`'s fast path asks whether a call runs its compiled
+# program (in eager code, with `jax.disable_jit()` off) as
+# `type(current_trace_state.value) is EvalTrace and not disable_jit.value`.
 current_trace_state = _core.trace_state_strong_ref
 EvalTrace = _core.EvalTrace
 disable_jit = _config.disable_jit
-"""For `eager_and_jitting` inlined on `jaxstate.jit`'s fast path:
-`type(current_trace_state.value) is EvalTrace and not disable_jit.value`."""
-
-
-def eager_and_jitting() -> bool:
-    """Whether a `jaxstate.jit` call runs its compiled program: in eager code, with
-    `jax.disable_jit()` off (one function: this runs on every call)."""
-    return type(current_trace_state.value) is _core.EvalTrace and not (
-        _config.disable_jit.value
-    )
 
 
 def jit_disabled() -> bool:

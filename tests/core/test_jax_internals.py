@@ -64,7 +64,8 @@ def test_the_current_trace_is_a_config_state_and_eager_calls_run_programs():
     out, probe = _seen(
         lambda: (
             _jax.current_trace_state.value is _jax.current_trace(),
-            _jax.eager_and_jitting(),
+            type(_jax.current_trace_state.value) is _jax.EvalTrace
+            and not _jax.disable_jit.value,
         )
     )
     probe()

@@ -77,7 +77,7 @@ class _JitWrapper:
         functools.update_wrapper(self, fun, updated=())  # pyright: ignore
 
     def __call__(self, *args, **kwargs):
-        # (`_jax.eager_and_jitting()`, inlined: this runs on every call.)
+        # Eager, with `jax.disable_jit()` off? (Inlined: this runs on every call.)
         if type(_trace_state.value) is not _EvalTrace or _disable_jit.value:
             return self._inside(args, kwargs)
         memo = self.memo
@@ -268,9 +268,7 @@ class _JitWrapper:
         out = rebuild(
             program.outputs[out[-1].value], out, n, call, self.memo, not created
         )
-        # (`self.memo.next_call()`, inlined.)
-        memo = self.memo
-        memo.entries, memo.used = memo.used, {}
+        self.memo.next_call()
         return out
 
     def lower(self, *args, **kwargs) -> "Lowered":
