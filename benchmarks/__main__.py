@@ -537,7 +537,7 @@ def run_profile(cfg: Config, results: dict[str, ScenarioResult]) -> dict | None:
 def run_filter_jit_profile(
     cfg: Config, results: dict[str, ScenarioResult]
 ) -> list[profile_filter_jit.Study]:
-    """Where S6b's and S6c's `eqx.filter_jit` rows spend their time, for the
+    """Where S6a's, S6b's and S6c's `eqx.filter_jit` rows spend their time, for the
     programs that ran (`benchmarks/studies/profile_filter_jit.py`)."""
     out = []
     for key in profile_filter_jit.KEYS:

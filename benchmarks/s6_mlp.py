@@ -228,7 +228,9 @@ class EqxModel(eqx.Module):
         return self.linear2(jax.nn.relu(self.linear1(x))), state
 
 
-def _eqx_variant(commit: bool = True) -> Variant:
+def eqx_setup(commit: bool = True):
+    """Equinox's own step (`eqx.filter_jit`) and the arguments of its first call:
+    the model, its `eqx.nn.State`, the optimiser's state and the batch."""
     optim = _optim()
     model, state = placed(eqx.nn.make_with_state(EqxModel)(), commit)
     opt_state = placed(optim.init(eqx.filter(model, eqx.is_inexact_array)), commit)
@@ -247,6 +249,12 @@ def _eqx_variant(commit: bool = True) -> Variant:
         updates, opt_state = optim.update(grads, opt_state)
         return eqx.apply_updates(model, updates), state, opt_state, loss
 
+    return step, [model, state, opt_state, *_data(commit)]
+
+
+def _eqx_variant(commit: bool = True) -> Variant:
+    step, (model, state, opt_state, *batch) = eqx_setup(commit)
+
     def result(box, last):
         m, s = box[0], box[1]
         out = dict(loss=last["out"], linear2=m.linear2.weight)
@@ -262,7 +270,7 @@ def _eqx_variant(commit: bool = True) -> Variant:
         "peer",
         step,
         [model, state, opt_state],
-        [_data(commit)],
+        [tuple(batch)],
         result,
         twin=BASELINE,
         note="its hand-threaded twin is the baseline's arithmetic",

@@ -1,12 +1,12 @@
-"""`python -m benchmarks.studies.profile_filter_jit [--only S6b,S6c] [--rounds R]`:
+"""`python -m benchmarks.studies.profile_filter_jit [--only S6a,S6b,S6c] [--rounds R]`:
 where a step that uses jaxstate's layers spends its time when it is compiled with
-`eqx.filter_jit` (or `jax.jit`) rather than `jaxstate.jit`, on the digits CNN
-(S6b) and the KV-cache decoder (S6c).
+`eqx.filter_jit` (or `jax.jit`) rather than `jaxstate.jit`, on Equinox's stateful
+MLP (S6a), the digits CNN (S6b) and the KV-cache decoder (S6c).
 
 For each program:
 
 (a) Whole calls of every row (the hand-threaded step, jaxstate under
-`jaxstate.jit`, `eqx.filter_jit` and `jax.jit`, and on S6c Equinox's own
+`jaxstate.jit`, `eqx.filter_jit` and `jax.jit`, and on S6a and S6c Equinox's own
 `eqx.nn.State` version): µs per call pipelined (many calls, one wait) and blocked,
 and the host µs per call (the time until the call returns, blocking after it but
 not counting that wait).
@@ -29,9 +29,9 @@ The same JAX clocks split the `jax.jit` row's call.
 (b)): exact counts (cProfile) of each of jaxstate's functions in one call, times
 each one's cost measured alone. At the
 top level of a compiled step jaxstate runs only pytree callbacks (its index's
-`Handle` and `FlagHolder` flatten and unflatten, the `Key` hash and equality JAX's cache
-asks for); reads and writes run only while tracing. Any other jaxstate function
-seen per call is listed.
+`Handle` flatten and unflatten, the inference flag's field set by each module's
+unflatten, the `Key` hash and equality JAX's cache asks for); reads and writes
+run only while tracing. Any other jaxstate function seen per call is listed.
 
 Times are host µs per call, each round's mean over its calls, the median over
 interleaved rounds (the S6c decoders are reset outside the clocks every 60
@@ -66,14 +66,14 @@ import jax.tree_util as jtu
 
 import jaxstate
 
-from .. import _s6, s6_cnn, s6_decode
+from .. import _s6, s6_cnn, s6_decode, s6_mlp
 from .._common import on_device
 from .._harness import _short, Variant
 from .profile_jit import _Clocks
 
 
-KEYS = ("S6b", "S6c")
-MODULES = {"S6b": s6_cnn, "S6c": s6_decode}
+KEYS = ("S6a", "S6b", "S6c")
+MODULES = {"S6a": s6_mlp, "S6b": s6_cnn, "S6c": s6_decode}
 
 # Stages of Equinox's `_call` (keys of `Breakdown.stages`).
 PRE = "Equinox: flatten and split the arguments (`_preprocess`)"
@@ -204,6 +204,22 @@ def _eqx_call(wrapper, args: tuple, spent: dict, wait: bool):
 
 
 def _drivers(key: str) -> dict[str, _Driver]:
+    if key == "S6a":
+        step, (model, opt_state, xs, ys) = s6_mlp.profile_setup()
+        eqx_step, eqx_args = s6_mlp.eqx_setup()
+
+        def after_js(d, out):
+            d.args[0], d.args[1] = out[0], out[1]
+
+        def after_eqx(d, out):
+            d.args[0], d.args[1], d.args[2] = out[0], out[1], out[2]
+
+        return {
+            _s6.FILTER_JIT: _Driver(
+                eqx.filter_jit(step), [model, opt_state, xs, ys], after_js, None
+            ),
+            s6_mlp.EQX: _Driver(eqx_step, eqx_args, after_eqx, None),
+        }
     if key == "S6b":
         step, model, opt_state, metrics = s6_cnn.js_setup()
         batches = s6_cnn.batches("NCHW")
@@ -253,6 +269,8 @@ def _variants(key: str) -> dict[str, Variant]:
     out: dict[str, Variant] = {_s6.BASELINE: module._hand_variant()}
     for name in _s6.JAXSTATE_ROWS:
         out[name] = module._js_variant(name)
+    if key == "S6a":
+        out[s6_mlp.EQX] = s6_mlp._eqx_variant()
     if key == "S6c":
         out[s6_decode.EQX] = s6_decode._eqx_variant()
     return out
@@ -451,13 +469,13 @@ def _per_node_us(nodes: list) -> tuple[float, float]:
 def _units() -> dict[tuple[str, str], tuple[str, float]]:
     """(file, function) -> (what, µs per call measured alone) for the jaxstate
     functions a compiled call runs: the pytree callbacks of an index."""
-    from jaxstate._core import _flag as F, _storage as S
+    from jaxstate._core import _storage as S
 
     index = jaxstate.StateIndex(init=jnp.zeros(3))
     handle: S.Handle = index._handle
     key, other = S.Key(handle.get()), S.Key(handle.get())
     handle_f, handle_u = _per_node_us([handle] * 100)
-    flag_f, flag_u = _per_node_us([F.FlagHolder(False)] * 100)
+    flag = index.inference
 
     def us(fn: Callable[[], Any]) -> float:
         return 1e6 * min(timeit.repeat(fn, number=20000, repeat=5)) / 20000
@@ -479,13 +497,9 @@ def _units() -> dict[tuple[str, str], tuple[str, float]]:
             "`Key.__eq__` (JAX's cache lookup)",
             us(lambda: key == other),
         ),
-        ("_flag.py", "_flatten"): (
-            "`FlagHolder` flatten (the `_inference` field)",
-            flag_f,
-        ),
-        ("_flag.py", "_unflatten"): (
-            "`FlagHolder` unflatten (a new holder)",
-            flag_u,
+        ("_flag.py", "__set__"): (
+            "`FlagField.__set__` (a module's unflatten sets its `inference` flag)",
+            us(lambda: object.__setattr__(index, "inference", flag)),
         ),
     }
 
@@ -525,7 +539,7 @@ def _jaxstate_calls(
 
 
 def study(key: str, rounds: int = 7, calls: int = 60) -> Study:
-    """Measures one program (S6b or S6c); `calls` per timed chunk."""
+    """Measures one program (S6a, S6b or S6c); `calls` per timed chunk."""
     module = MODULES[key]
     try:
         return _study(key, rounds, calls)
@@ -770,7 +784,7 @@ def main(argv: list[str] | None = None) -> list[Study]:
         prog="python -m benchmarks.studies.profile_filter_jit",
         description=(__doc__ or "").split("\n\n")[0],
     )
-    parser.add_argument("--only", default=",".join(KEYS), help="S6b, S6c or both")
+    parser.add_argument("--only", default=",".join(KEYS), help="some of S6a, S6b, S6c")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=60, help="calls per chunk")
     args = parser.parse_args(argv)

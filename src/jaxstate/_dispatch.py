@@ -142,7 +142,7 @@ def _call(program: _Program, args_flat: list) -> list | None:
             x = x._base_array  # (passed as its data, as JAX's path does)
         if type(x) is not _ArrayImpl or x._committed is not committed[i]:
             return None
-        s = x.sharding
+        s = x._sharding  # (`.sharding` is a Python property)
         if s is not seen[i]:
             # (Comparing shardings is slow: an equal one is the one seen next.)
             if s != shardings[i]:
@@ -282,7 +282,11 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
             if t is _ArrayImpl:
                 # (Not a key array's data last time: `jax.random.key_data` of a
                 # key is that very array, of another type than the key.)
-                if x.aval is not aval or x.sharding is not sharding or impl is not None:
+                if (
+                    x.aval is not aval
+                    or x._sharding is not sharding
+                    or impl is not None
+                ):
                     break
             elif t is _Ref:
                 if x._aval is not aval:

@@ -17,17 +17,16 @@ buffer, a running quantile or a cache of another layout is written the way
   grows).
 - [`eager_value`][jaxstate.extend.eager_value]: check values eagerly, before
   anything is written.
-- [`to_flag`][jaxstate.extend.to_flag], `inference_property`, `FlagHolder`,
-  [`flag_value`][jaxstate.extend.flag_value]: an `inference` flag that
+- [`flag_field`][jaxstate.extend.flag_field], `Flag` (the type it
+  holds), [`flag_value`][jaxstate.extend.flag_value]: an `inference` flag that
   `jaxstate.tree_inference` and `eqx.nn.inference_mode` switch and plain `jax.jit`
   does not trace.
 """
 
 from ._core._flag import (
+    Flag as Flag,
+    flag_field as flag_field,
     flag_value as flag_value,
-    FlagHolder as FlagHolder,
-    inference_property as inference_property,
-    to_flag as to_flag,
 )
 from ._core._index import writable as writable
 from ._core._ops import (

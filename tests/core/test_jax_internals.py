@@ -393,6 +393,12 @@ def test_an_uncommitted_array_sharing_a_committed_ones_buffer():
     assert not jax.jit(lambda x: x + 1)(free).committed
 
 
+def test_an_arrays_sharding_attribute_is_its_sharding():
+    # `_dispatch.py` reads `_sharding`: `.sharding` is a Python property over it.
+    for x in (jax.device_put(jnp.zeros(2), jax.devices()[0]), jnp.ones(3)):
+        assert x._sharding is x.sharding
+
+
 def test_jax_clear_caches_clears_the_donation_vector_cache():
     # JAX keeps `donation_vector` (every `eqx.filter_jit` call's) in an
     # `lru_cache` of its own; jaxstate registers it with `jax.clear_caches()`.

@@ -16,15 +16,13 @@ from jaxtyping import Array, ArrayLike, Float, Int
 import jaxstate
 from jaxstate.extend import (
     eager_value,
+    flag_field,
     flag_value,
-    FlagHolder,
     get_stacked,
-    inference_property,
     set_rows,
     set_stacked,
     shared_vmaps,
     stacked_axes,
-    to_flag,
     writable,
 )
 
@@ -87,14 +85,13 @@ class RunningQuantile(eqx.Module):
     updates: jaxstate.StateIndex
     q: float = eqx.field(static=True)
     rate: float = eqx.field(static=True)
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
+    inference: bool = flag_field()
 
     def __init__(self, q: float, rate: float = 0.5, inference: bool = False):
         self.q, self.rate = q, rate
         self.estimate = jaxstate.StateIndex(init=jnp.zeros(()), kind="metric")
         self.updates = jaxstate.StateIndex(init=jnp.zeros((), jnp.int32), kind="metric")
-        self._inference = to_flag(inference)
+        self.inference = inference
 
     def update(self, x: Float[ArrayLike, "..."], *, axis_name=None) -> None:
         if flag_value(self.inference, "RunningQuantile"):
@@ -250,7 +247,7 @@ def test_inference_mode_freezes_the_quantile_but_not_the_buffer(jit):
 
 
 def test_equinox_inference_mode_round_trips_a_layer_of_ones_own():
-    # `eqx.nn.inference_mode` puts a bool where the flag was; the holder turns it
+    # `eqx.nn.inference_mode` puts a bool where the flag was; the field turns it
     # back into a flag, so the tree structure (and an optimiser state made for it)
     # is unchanged, and plain `jax.jit` still does not trace the flag.
     model = _model()

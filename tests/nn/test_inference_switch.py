@@ -2,6 +2,10 @@
 back, a model has its tree structure and leaves, so an optimiser state made for it
 still fits (docs/layers.md, "Inference mode")."""
 
+import cProfile
+import pstats
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +14,9 @@ import optax
 import pytest
 
 import jaxstate
+from jaxstate._core._index import with_storage
+from jaxstate._core._storage import Storage
+from jaxstate.extend import Flag, flag_field
 from tests.helpers import COMPILERS
 
 
@@ -120,3 +127,68 @@ def test_training_after_switching_back_uses_the_optimiser_state_made_before(comp
         model, opt_state, loss = step(model, opt_state, x)
     assert jnp.isfinite(loss)
     assert int(model.bn.counter.unsafe_get()) == 3  # trained again after the switch
+
+
+def test_a_model_is_flattened_without_jaxstate_python_for_its_flags():
+    # Equinox flattens a model several times per `eqx.filter_jit` call: the flags
+    # must cost no Python node of their own (docs/design.md, "Inference mode").
+    model = Net()
+    leaves, treedef = jtu.tree_flatten(model)
+    profile = cProfile.Profile()
+    profile.enable()
+    jtu.tree_flatten(model)
+    treedef.unflatten(leaves)
+    profile.disable()
+    calls = {
+        (Path(file).name, name): entry[1]
+        for (file, _, name), entry in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
+        if "jaxstate" in Path(file).parts[:-1]
+    }
+    is_flag = lambda x: isinstance(x, Flag)  # noqa: E731
+    n_flags = len([x for x in jtu.tree_leaves(model, is_leaf=is_flag) if is_flag(x)])
+    indices = [
+        x
+        for x in jtu.tree_leaves(model, is_leaf=jaxstate.is_state_index)
+        if jaxstate.is_state_index(x)
+    ]
+    assert calls == {
+        ("_storage.py", "_flatten"): len(indices),
+        ("_storage.py", "_unflatten"): len(indices),
+        ("_flag.py", "__set__"): n_flags,  # one per module's unflatten
+    }
+
+
+class Noisy(eqx.Module):
+    scale: float
+    inference: bool = flag_field(default=True)
+
+
+def test_a_flag_field_of_ones_own():
+    # Equinox's own `__init__`: the default, or the bool given, made a flag.
+    assert isinstance(Noisy(1.0).inference, Flag) and Noisy(1.0).inference
+    layer = Noisy(1.0, inference=False)
+    assert isinstance(layer.inference, Flag) and not layer.inference
+    assert "inference=False" in eqx.tree_pformat(layer)  # printed as a bool
+    switched = eqx.nn.inference_mode(layer)
+    assert isinstance(switched.inference, Flag) and switched.inference
+    assert jtu.tree_leaves(switched) == [1.0]
+
+    class Unset(eqx.Module):
+        inference: bool = flag_field()
+
+        def __init__(self):
+            pass
+
+    # Equinox says so, as for any field.
+    with pytest.raises(TypeError, match="'inference' was not initialized"):
+        Unset()
+
+
+def test_an_index_copied_to_another_state_has_a_flag_of_its_own():
+    # `eqx.tree_at` tells flags apart by identity: two indices sharing one flag
+    # object could not both be switched.
+    index = jaxstate.StateIndex(init=jnp.zeros(2))
+    twin = with_storage(index, Storage())
+    assert twin.inference is not index.inference and twin.inference == index.inference
+    both = eqx.nn.inference_mode((index, twin))
+    assert both[0].inference and both[1].inference

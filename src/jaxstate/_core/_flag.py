@@ -1,18 +1,21 @@
 """Inference flags: Python bools that JAX sees as tree structure rather than as
 leaves, and that Equinox's switch cannot turn into leaves.
 
-A jaxstate module keeps its flag in a field `_inference` holding a `FlagHolder`,
-whose one child is the flag, and reads it through a property `inference`. Equinox's
-`eqx.nn.inference_mode` (`eqx.tree_at` underneath) replaces whatever `.inference`
-is, the flag, with a Python bool; the holder's unflatten turns that bool back into
-a flag. A model switched there and back so has the tree structure it had, and an
-optimiser state made for it still fits.
+A jaxstate module keeps its flag in a field `inference` made by `flag_field`, a data
+descriptor. Equinox's `eqx.nn.inference_mode` (`eqx.tree_at` underneath) replaces
+the flag with a Python bool; the module's unflatten sets the field, and the
+descriptor turns that bool back into a flag. A model switched there and back so
+has the tree structure it had, and an optimiser state made for it still fits.
+
+(An earlier design kept the flag in a holder node whose Python unflatten did the
+same; its flatten and unflatten were a tenth of a call of `eqx.filter_jit` on a
+small model: docs/design.md, "Crossing `eqx.filter_jit`".)
 """
 
 from typing import Any, ClassVar
 
-import jax.tree_util as jtu
 import numpy as np
+import wadler_lindig
 
 from .. import _jax
 
@@ -25,8 +28,9 @@ class Flag(tuple):
     tuples with `_fields`, which JAX takes for namedtuples, nodes with no children
     whose type is the value. Flattening and unflattening one runs no Python, and
     each is an object of its own (`eqx.tree_at` tells the nodes it replaces apart by
-    identity). It behaves like a bool: `if index.inference:` works. Make one with
-    `flag(value)`.
+    identity). It behaves like a bool: `if index.inference:` works. A field made by
+    [`jaxstate.extend.flag_field`][] makes one from the bool assigned to it; use
+    the type in that field's annotation.
     """
 
     __slots__ = ()
@@ -63,6 +67,10 @@ class Flag(tuple):
     def __reduce__(self):
         return (type(self), ())
 
+    # As a bool in Equinox's printing (which would show a namedtuple's fields).
+    def __pdoc__(self, **kwargs) -> wadler_lindig.AbstractDoc:
+        return wadler_lindig.TextDoc(repr(self.value))
+
 
 class _On(Flag):
     __slots__ = ()
@@ -74,120 +82,103 @@ class _Off(Flag):
     value = False
 
 
+# The two types of flags (`type(x) in FLAG_TYPES` is quicker than `isinstance`).
+FLAG_TYPES = (_On, _Off)
+
+
 def flag(value: Any) -> Flag:
     """A new flag of `value`'s truth."""
     return _On() if value else _Off()
 
 
-class FlagHolder:
-    """The value of a jaxstate module's `_inference` field: a pytree node whose one
-    child is the module's flag (or, put there by `eqx.tree_at`, anything else, which
-    using the module refuses). A Python bool unflattened into it becomes a flag (see
-    the top of this file). Immutable and hashable by its flag, as the static parts
-    of `jaxstate.jit`'s keys must be: its calls keep holders as they are."""
+class FlagField:
+    """The descriptor behind [`jaxstate.extend.flag_field`][]: a module's inference
+    flag, kept in the instance's `__dict__` under the field's name.
 
-    __slots__ = ("flag",)
+    Equinox's unflatten, `__init__` and `eqx.tree_at` all set fields with
+    `object.__setattr__`, which runs a data descriptor's `__set__`; so every way a
+    Python bool can arrive (`eqx.nn.inference_mode` puts one in place of the flag)
+    passes through `__set__`, which turns it into a flag. Nothing else runs on a
+    flatten, and the flag itself is flattened in C++ (see the top of this file).
+    """
 
-    def __init__(self, value: Any):
-        object.__setattr__(self, "flag", _as_flag(value))
+    __slots__ = ("name", "default")
 
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not FlagHolder:
-            return NotImplemented
-        return _same(self.flag, other.flag)
+    def __init__(self, default: bool):
+        self.name = "inference"
+        self.default = bool(default)
 
-    def __hash__(self) -> int:
-        flag = self.flag
-        return hash(flag) if isinstance(flag, Flag) else id(flag)
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-    def __repr__(self) -> str:
-        return repr(self.flag)
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            # (The class's: the dataclass default, which `__set__` understands.)
+            return self
+        try:
+            return _dict_of(obj, "__dict__")[self.name]
+        except KeyError:
+            raise AttributeError(
+                f"{type(obj).__name__}.{self.name} has not been set: set it in "
+                "`__init__`."
+            ) from None
 
-    def __setattr__(self, name: str, value: Any):
-        raise AttributeError("FlagHolder is immutable.")
-
-    def __reduce__(self):
-        return (FlagHolder, (self.flag,))
-
-
-def _as_flag(value: Any) -> Any:
-    if isinstance(value, (bool, np.bool_)):
-        return flag(value)
-    return value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Flag) and isinstance(b, Flag):
-        return a.value == b.value
-    return a is b
-
-
-_new = object.__new__
-_set_flag = FlagHolder.flag.__set__  # pyright: ignore[reportAttributeAccessIssue]
-
-
-def _flatten(holder: FlagHolder):
-    return (holder.flag,), None
-
-
-def _unflatten(_, children) -> FlagHolder:
-    # (Not `FlagHolder(...)`: a Python call less, on every unflatten of a model.)
-    holder = _new(FlagHolder)
-    (child,) = children
-    _set_flag(holder, flag(child) if type(child) in _BOOLS else child)
-    return holder
+    def __set__(self, obj: Any, value: Any) -> None:
+        t = type(value)
+        if t is not _On and t is not _Off:
+            if value is self:  # the dataclass default
+                value = flag(self.default)
+            elif t in _BOOLS:
+                value = flag(value)
+            # Anything else (a traced or array flag) is kept: using the module
+            # raises `flag_value`'s explanation.
+        _dict_of(obj, "__dict__")[self.name] = value
 
 
 _BOOLS = (bool, np.bool_)
-jtu.register_pytree_node(FlagHolder, _flatten, _unflatten)
+_dict_of = object.__getattribute__
 
 
-def to_flag(value: Any) -> FlagHolder:
-    """The converter of a layer's `_inference` field, which keeps its `inference`
-    flag: a Python bool becomes a flag that behaves as one (`if self.inference:`)
-    but is tree structure, not a leaf, so that plain `jax.jit` does not trace it,
-    in a holder that [`jaxstate.tree_inference`][] and `eqx.nn.inference_mode`
-    switch without changing the model's tree structure. Read the flag through
-    `inference = jaxstate.extend.inference_property`.
+def flag_field(*, default: bool = False) -> Any:
+    """The `inference` field of a layer of your own: a bool that flattens to no
+    leaves, so plain `jax.jit` does not trace it, which
+    [`jaxstate.tree_inference`][] and `eqx.nn.inference_mode` switch without
+    changing the layer's tree structure (so an optimiser state made before the
+    switch still fits after it).
+
+    Annotate the field `bool` and assign it a Python bool as usual; it holds a
+    `Flag`, which behaves like one (`if self.inference:`). Read it with
+    [`jaxstate.extend.flag_value`][] to get a bool, or the explanation of a flag
+    that is not one. The field has a default, so it goes after the fields
+    without one.
 
     **Arguments:**
 
-    - `value`: the flag's value (a bool, or a flag).
+    - `default`: the flag's value when `__init__` does not set it (only with the
+        `__init__` Equinox writes for you).
 
     **Returns:**
 
-    The holder (a `FlagHolder`) of the flag.
+    The field's descriptor, to assign in the class body.
 
     !!! example
 
         ```python
         class Noisy(eqx.Module):
-            _inference: FlagHolder = eqx.field(converter=jaxstate.extend.to_flag)
-            inference = jaxstate.extend.inference_property
+            scale: float
+            inference: bool = jaxstate.extend.flag_field()
 
-            def __init__(self, inference: bool = False):
-                self._inference = jaxstate.extend.to_flag(inference)
+            def __init__(self, scale: float, inference: bool = False):
+                self.scale = scale
+                self.inference = inference
+
+            def __call__(self, x, key):
+                if jaxstate.extend.flag_value(self.inference, "Noisy"):
+                    return x
+                return x + self.scale * jax.random.normal(key, x.shape)
         ```
     """
-    if type(value) is FlagHolder:
-        return value
-    return FlagHolder(value)
-
-
-_dict_of = object.__getattribute__
-
-
-def _inference(self) -> Any:
-    return _dict_of(self, "__dict__")["_inference"].flag
-
-
-inference_property = property(
-    _inference,
-    doc="The module's inference flag: a `Flag`, which behaves like a bool.",
-)
-"""The `inference` of a module with an `_inference` field: the flag (as
-Equinox's `inference_mode` finds and replaces it). A property rather than a field:
-the field holds the flag's `FlagHolder`."""
+    return FlagField(default)
 
 
 def flag_value(value: Any, what: str) -> bool:
@@ -195,8 +186,8 @@ def flag_value(value: Any, what: str) -> bool:
 
     **Arguments:**
 
-    - `value`: the field's value (a flag made by
-        [`jaxstate.extend.to_flag`][], or a bool).
+    - `value`: the field's value (a flag kept by a
+        [`jaxstate.extend.flag_field`][], or a bool).
     - `what`: the layer's name, for the message.
 
     **Returns:**
@@ -209,8 +200,6 @@ def flag_value(value: Any, what: str) -> bool:
     `jax.jit` traces), naming the fix; `TypeError` for anything else that is not
     a bool.
     """
-    if isinstance(value, FlagHolder):
-        value = value.flag
     if isinstance(value, Flag):
         return value.value
     if isinstance(value, (bool, np.bool_)):

@@ -6,7 +6,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._access import check_eager, read_stacked, write, write_stacked
-from ._flag import Flag, flag_value, FlagHolder, inference_property, to_flag
+from ._flag import Flag, flag, flag_field, FLAG_TYPES, flag_value
 from ._kinds import check_kind
 from ._storage import Handle, is_set, Storage, Traits
 
@@ -51,9 +51,9 @@ class StateIndex(eqx.Module, Generic[_T]):
     """
 
     _handle: Handle = eqx.field(repr=False)
-    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
+    # Holds a `Flag`, which behaves as a bool (see `_core/_flag.py`); last, as a
+    # field with a default.
+    inference: bool = flag_field()
 
     def __init__(
         self,
@@ -102,7 +102,7 @@ class StateIndex(eqx.Module, Generic[_T]):
         check_kind(kind, "StateIndex")
         check_reset(reset)
         self._handle = Handle.new()
-        self._inference = to_flag(inference)
+        self.inference = bool(inference)  # (made a flag of its own)
         self._handle.get().traits = Traits(kind, bool(persistent), reset)
         if init is not None:
             write(self._handle, init, "StateIndex(init=...)")
@@ -163,7 +163,7 @@ def with_inference(index: StateIndex, value: bool) -> StateIndex:
     state in inference mode, inside traces (where `tree_inference` refuses)."""
     new = object.__new__(StateIndex)
     object.__setattr__(new, "_handle", index._handle)
-    object.__setattr__(new, "_inference", FlagHolder(value))
+    object.__setattr__(new, "inference", flag(value))
     return new
 
 
@@ -212,7 +212,10 @@ def with_storage(index: StateIndex, storage: Storage) -> StateIndex:
     """A copy of `index` (same flag) that reaches `storage` instead."""
     new = object.__new__(StateIndex)
     object.__setattr__(new, "_handle", Handle.of(storage))
-    object.__setattr__(new, "_inference", index._inference)
+    value = index.inference
+    # (A flag of its own: `eqx.tree_at` tells flags apart by identity.)
+    fresh = flag(value) if type(value) in FLAG_TYPES else value
+    object.__setattr__(new, "inference", fresh)
     return new
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _jax
-from .._core._flag import Flag, FlagHolder
+from .._core._flag import Flag
 from .._core._index import StateIndex
 from .._core._storage import Handle
 from ._builder import builder
@@ -22,7 +22,7 @@ class OutIndex(NamedTuple):
     """An output's index of one of the call's states."""
 
     number: int  # the state's slot in the call
-    holder: FlagHolder  # of the index's flag
+    flag: Any  # the index's flag (a `Flag`)
     treedef: Any  # of the `StateIndex` itself, with its handle as a leaf
 
 
@@ -72,7 +72,7 @@ class OutputPlan:
             if type(leaf) is StateIndex and passed_index(leaf):
                 treedef = jtu.tree_structure(leaf, is_leaf=is_leaf)
                 number = slot_of[leaf._handle.get().id]
-                return OutIndex(number, leaf._inference, treedef)
+                return OutIndex(number, leaf.inference, treedef)
             return leaf
 
         # The key of the element as an argument: handles as leaves.
@@ -99,9 +99,9 @@ class OutputPlan:
         ]
         self._array_pos = [i for i, s in enumerate(spec) if s is ARRAY]
         self._slot_pos = [(i, s.number) for i, s in enumerate(spec) if type(s) is Slot]
-        # Looked up by `(number, bool)`: hashing a holder runs Python code.
+        # Looked up by `(number, bool)`: hashing a flag runs Python code.
         self._index_pos = [
-            (i, (s.number, s.holder.flag.value), s)
+            (i, (s.number, s.flag.value), s)
             for i, s in enumerate(spec)
             if type(s) is OutIndex
         ]
@@ -162,7 +162,7 @@ class OutputPlan:
             index = indices.get(lookup)
             if index is None:
                 index = out_index.treedef.unflatten(
-                    [handles[out_index.number], out_index.holder]
+                    [handles[out_index.number], out_index.flag]
                 )
                 indices[lookup] = index
             leaves[i] = index

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _jax
-from .._core._flag import FlagHolder
+from .._core._flag import FLAG_TYPES
 from .._core._index import StateIndex
 from .._core._storage import Handle, is_set, Storage
 from ._guards import container_paths, Guard, guard_of, unchanging
@@ -62,10 +62,12 @@ def is_array(x) -> bool:
 
 
 def is_leaf(x) -> bool:
-    """Handles are leaves here (each becomes a slot). So are flags' holders:
-    immutable and hashable, they are kept as they are, which spares an unflatten
-    per flag."""
-    return type(x) is Handle or type(x) is FlagHolder
+    """Handles are leaves here (each becomes a slot). So are flags: immutable and
+    hashable, they are kept as they are."""
+    return type(x) in _LEAF_TYPES
+
+
+_LEAF_TYPES = frozenset((Handle, *FLAG_TYPES))
 
 
 #

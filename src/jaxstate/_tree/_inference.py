@@ -20,8 +20,8 @@ def _owners(pytree) -> list:
 
 
 def _is_jaxstate(x) -> bool:
-    # jaxstate's objects, and layers written with `jaxstate.extend.to_flag` (whose
-    # holder keeps a `Flag` even after `eqx.nn.inference_mode` sets a bool).
+    # jaxstate's objects, and layers written with `jaxstate.extend.flag_field`
+    # (which keeps a `Flag` even after `eqx.nn.inference_mode` sets a bool).
     return type(x).__module__.startswith("jaxstate") or isinstance(x.inference, Flag)
 
 
@@ -30,7 +30,7 @@ def tree_inference(pytree: PyTree, value: bool) -> PyTree:
 
     Like `equinox.nn.inference_mode`, which also works on jaxstate's indices and
     layers. The difference: flags of jaxstate objects (and of layers of your own
-    whose flag is made by [`jaxstate.extend.to_flag`][]) are stored as static tree
+    whose flag is a [`jaxstate.extend.flag_field`][]) are stored as static tree
     structure, so a model switched here can also be passed through plain `jax.jit`.
 
     **Arguments:**

@@ -12,14 +12,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import get_state, set_state, StateIndex
-from ..extend import (
-    flag_value,
-    FlagHolder,
-    get_stacked,
-    inference_property,
-    to_flag,
-    writable,
-)
+from ..extend import flag_field, flag_value, get_stacked, writable
 from ..kinds import BATCH_STATS
 from ._util import (
     at_least_float32,
@@ -93,9 +86,6 @@ class BatchNorm(eqx.Module):
     ema_state: StateIndex | None
     counter: StateIndex | None
     batch_state: StateIndex | None
-    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
     axis_name: Hashable | Sequence[Hashable] = eqx.field(static=True)
     input_size: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
@@ -105,6 +95,9 @@ class BatchNorm(eqx.Module):
     # The dtype the layer was built with: of the affine parameters and, with the
     # input's, of the output (the statistics are in at least float32).
     dtype: Any = eqx.field(static=True)
+    # Holds a `Flag`, which behaves as a bool (see `_core/_flag.py`); last, as a
+    # field with a default.
+    inference: bool = flag_field()
 
     def __init__(
         self,
@@ -209,7 +202,7 @@ class BatchNorm(eqx.Module):
                 init=(zeros, ones), kind=BATCH_STATS, reset=(0, 1)
             )
             self.first_time = self.ema_state = None
-        self._inference = to_flag(inference)
+        self.inference = inference
         self.axis_name = axis_name
         self.input_size = input_size
         self.eps = eps

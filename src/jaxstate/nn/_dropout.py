@@ -7,13 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Key, PRNGKeyArray, UInt32
 
-from ..extend import (
-    flag_value,
-    FlagHolder,
-    inference_property,
-    shared_vmaps,
-    to_flag,
-)
+from ..extend import flag_field, flag_value, shared_vmaps
 from ._rng import RNGStream, with_inference
 from ._util import axis_index, axis_names, AxisName
 
@@ -123,10 +117,10 @@ class Dropout(eqx.Module):
     # number, so `p=0` draws nothing there either.
     p: float = eqx.field(static=True)
     rng: RNGStream
-    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
     axis_name: AxisName | None = eqx.field(static=True)
+    # Holds a `Flag`, which behaves as a bool (see `_core/_flag.py`); last, as a
+    # field with a default.
+    inference: bool = flag_field()
 
     def __init__(
         self,
@@ -159,7 +153,7 @@ class Dropout(eqx.Module):
         """
         self.p = _check_p(p)
         self.rng = _stream(key, flag_value(inference, "Dropout"))
-        self._inference = to_flag(inference)
+        self.inference = inference
         self.axis_name = axis_name
 
     def __call__(

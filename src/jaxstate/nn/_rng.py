@@ -5,13 +5,11 @@ from jaxtyping import Array, ArrayLike, Int, Key, PRNGKeyArray, UInt32
 
 from .. import get_state, set_state, StateIndex
 from ..extend import (
+    flag_field,
     flag_value,
-    FlagHolder,
     get_stacked,
-    inference_property,
     set_stacked,
     shared_vmaps,
-    to_flag,
     writable,
 )
 from ..kinds import RNG
@@ -95,10 +93,10 @@ class RNGStream(eqx.Module):
     # that the first keeps its layout (and checkpoints their names).
     state: StateIndex
     inference_counter: StateIndex
-    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
     impl: str = eqx.field(static=True)
+    # Holds a `Flag`, which behaves as a bool (see `_core/_flag.py`); last, as a
+    # field with a default.
+    inference: bool = flag_field()
 
     def __init__(
         self,
@@ -131,7 +129,7 @@ class RNGStream(eqx.Module):
             init=(key_data, jnp.zeros((), jnp.uint32)), kind=RNG, reset=(None, 0)
         )
         self.inference_counter = StateIndex(init=jnp.zeros((), jnp.uint32), kind=RNG)
-        self._inference = to_flag(inference)
+        self.inference = inference
 
     def next(
         self, *, axis_name: AxisName | None = None, inference: bool | None = None
@@ -268,4 +266,4 @@ def with_inference(stream: RNGStream, value: bool) -> RNGStream:
     (`eqx.filter_vmap` building an ensemble), unlike `tree_inference`."""
     if flag_value(stream.inference, "RNGStream") == bool(value):
         return stream
-    return eqx.tree_at(lambda s: s._inference, stream, to_flag(value))
+    return eqx.tree_at(lambda s: s.inference, stream, bool(value))

@@ -7,7 +7,7 @@ import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray
 
 from .. import get_state, set_state, StateIndex
-from ..extend import flag_value, FlagHolder, inference_property, to_flag, writable
+from ..extend import flag_field, flag_value, writable
 from ..kinds import BATCH_STATS
 
 
@@ -49,12 +49,12 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
 
     layer: _Layer
     uv: StateIndex
-    # The flag, in a holder; read it as `inference` (see `_core/_flag.py`).
-    _inference: FlagHolder = eqx.field(converter=to_flag)
-    inference = inference_property
     weight_name: str = eqx.field(static=True)
     num_power_iterations: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
+    # Holds a `Flag`, which behaves as a bool (see `_core/_flag.py`); last, as a
+    # field with a default.
+    inference: bool = flag_field()
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class SpectralNorm(eqx.Module, Generic[_Layer]):
         # Statistics of the weight, kept for inference; no reset value (they
         # start converged for the weight the layer was built with).
         self.uv = StateIndex(init=(u, v), kind=BATCH_STATS, reset=None)
-        self._inference = to_flag(inference)
+        self.inference = inference
         self.weight_name = weight_name
         self.num_power_iterations = num_power_iterations
         self.eps = eps
