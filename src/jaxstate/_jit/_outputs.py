@@ -239,12 +239,15 @@ class Static:
 
     JAX keeps a program's output structure in caches that live as long as the
     program's function. The description itself may hold indices of static fields
-    (whose states then could never be freed), so only this number goes there."""
+    (whose states then could never be freed), so only this number goes there, and
+    whether the output is one array (a loss: returned without `rebuild`)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("value", "one_array")
 
-    def __init__(self, value: int):
+    def __init__(self, value: int, description: "Description"):
         self.value = value
+        is_tuple, described = description
+        self.one_array = not is_tuple and described[0].is_leaf
 
 
 # The instance itself is the aux data, so rebuilding it is one Python call that
@@ -282,7 +285,7 @@ def rebuild(
     for a call under another transform, which remembers nothing.)"""
     is_tuple, described = description
     if not is_tuple and described[0].is_leaf:
-        return arrays[start]  # One array (a loss): the common case, without a loop.
+        return arrays[start]  # One array (see `Static.one_array`).
     outs = []
     for op in described:
         if op.is_leaf:

@@ -340,4 +340,4 @@ class Program:
         # of its type, in order, so the state's buffers (donated first) are each
         # reused for that state's own new value. (Else an optimiser's step count
         # could take a BatchNorm counter's buffer, and XLA would copy both.)
-        return (*new_bufs, *out_arrays, Static(len(self.outputs) - 1))
+        return (*new_bufs, *out_arrays, Static(len(self.outputs) - 1, description))

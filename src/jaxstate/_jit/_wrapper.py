@@ -265,9 +265,14 @@ class _JitWrapper:
             # The program gave a state its first value: it writes that state's own
             # references, so no other call may find it.
             self._forget(program, call)
-        out = rebuild(
-            program.outputs[out[-1].value], out, n, call, self.memo, not created
-        )
+        static = out[-1]
+        if static.one_array:
+            # (A loss: the common case, without `rebuild`'s call.)
+            out = out[n]
+        else:
+            out = rebuild(
+                program.outputs[static.value], out, n, call, self.memo, not created
+            )
         self.memo.next_call()
         return out
 
