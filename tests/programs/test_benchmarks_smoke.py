@@ -15,6 +15,7 @@ import sys
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.interpreters import pxla
@@ -603,3 +604,34 @@ def test_filter_jit_designs_study_quick(capsys):
     printed = capsys.readouterr().out
     assert "| state dict threaded by hand" in printed
     assert "After the timings, rows 1b, 2 and 3 against row 1: all 4" in printed
+
+
+#
+# The scanned-decoder study (benchmarks/studies/scan_decode.py).
+#
+
+
+def test_scan_decode_study_plain_decoders_agree():
+    # The three plain-JAX decoders compute the same tokens: they differ only in
+    # how the layers and caches go through the program.
+    from benchmarks.studies import scan_decode as D
+
+    up, down, attn = D._weights()
+    x = jnp.ones((1, D.DIM))
+    outs = []
+    for fun, stacked in ((D._carry, True), (D._xs, True), (D._loop, False)):
+        if stacked:
+            weights, caches = (up, down, attn), jnp.zeros((D.LAYERS, D.CACHE, D.DIM))
+            keys, values = caches, caches
+        else:
+            weights = (list(up), list(down), list(attn))
+            keys = values = [jnp.zeros((D.CACHE, D.DIM))] * D.LAYERS
+        f = jax.jit(fun)
+        y = x
+        for pos in range(3):
+            y, keys, values = f(y, *weights, keys, values, pos)
+        outs.append(np.asarray(y))
+    np.testing.assert_allclose(outs[0], outs[2], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(outs[1], outs[2], rtol=1e-4, atol=1e-5)
+    table = D.render({name: 100.0 for name in D.ROW_NAMES})
+    assert len(table) == 2 + len(D.ROW_NAMES) and all("1.00" in r for r in table[2:])
