@@ -16,7 +16,8 @@ token per call, the caches donated), written by hand without jaxstate:
 - a Python loop over per-layer weights and caches.
 
 µs per token (pipelined: many calls, one wait), medians over rounds, and each
-row × its own loop. `python -m benchmarks` does not run this study; its result
+row × its own loop. `--cache N` gives every decoder a cache of N tokens (S7's
+is 256). `python -m benchmarks` does not run this study; its result
 is quoted in docs/deep-models.md.
 """
 
@@ -34,7 +35,7 @@ from jax import lax
 from .. import s7_deep
 
 
-LAYERS, DIM, CACHE = 12, 128, 256
+LAYERS, DIM, CACHE = 12, 128, s7_deep.MAX_LEN
 
 JAXSTATE_SCAN = "jaxstate: jaxstate.scan over the stacked layers (S7)"
 JAXSTATE_LOOP = "jaxstate: Python loop over the layers (S7)"
@@ -54,7 +55,7 @@ def _weights() -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _attend(x, attn, keys, values, pos):
     q = x @ attn[0]
-    scores = jnp.where(jnp.arange(CACHE) <= pos, q @ keys.T, -1e9)
+    scores = jnp.where(jnp.arange(keys.shape[0]) <= pos, q @ keys.T, -1e9)
     return x + (jax.nn.softmax(scores) @ values) @ attn[3]
 
 
@@ -101,48 +102,51 @@ def _loop(x, ups, downs, attns, keys, values, pos):
     return x, keys, values
 
 
-def _plain(fun: Callable, stacked: bool) -> Callable[[], Any]:
+def _plain(fun: Callable, stacked: bool, cache: int) -> Callable[[], Any]:
     """One token per call; the caches donated and written back."""
     weights = _weights()
     if stacked:
-        caches: list[Any] = [jnp.zeros((LAYERS, CACHE, DIM)) for _ in range(2)]
+        caches: list[Any] = [jnp.zeros((LAYERS, cache, DIM)) for _ in range(2)]
     else:
         weights = tuple(list(w) for w in weights)  # type: ignore[assignment]
-        caches = [[jnp.zeros((CACHE, DIM)) for _ in range(LAYERS)] for _ in range(2)]
+        caches = [[jnp.zeros((cache, DIM)) for _ in range(LAYERS)] for _ in range(2)]
     f = jax.jit(fun, donate_argnums=(4, 5))
     x = jnp.ones((1, DIM))
     box = {"pos": 0}
 
     def step():
-        pos = box["pos"] = (box["pos"] + 1) % CACHE
+        pos = box["pos"] = (box["pos"] + 1) % cache
         out, caches[0], caches[1] = f(x, *weights, caches[0], caches[1], pos)
         return out
 
     return step
 
 
-def steps() -> dict[str, Callable[[], Any]]:
-    """Every row's step, built and warmed up."""
+def steps(cache: int = CACHE) -> dict[str, Callable[[], Any]]:
+    """Every row's step, built and warmed up, with caches of `cache` tokens."""
+    # (S7's decoder reads its cache length from its module, when built and on
+    # every step: set for the rest of this process.)
+    s7_deep.MAX_LEN = cache
     out: dict[str, Callable[[], Any]] = {}
     for name in (s7_deep.DECODE_SCAN, s7_deep.DECODE_LOOP):
         label = JAXSTATE_SCAN if name == s7_deep.DECODE_SCAN else JAXSTATE_LOOP
         step = s7_deep._decoder_variant(name, LAYERS).step
         assert step is not None
         out[label] = step
-    out[CARRY] = _plain(_carry, True)
-    out[XS] = _plain(_xs, True)
-    out[LOOP] = _plain(_loop, False)
+    out[CARRY] = _plain(_carry, True, cache)
+    out[XS] = _plain(_xs, True, cache)
+    out[LOOP] = _plain(_loop, False, cache)
     for step in out.values():
         for _ in range(3):
             jax.block_until_ready(step())
     return out
 
 
-def measure(rounds: int = 7, tokens: int = 40) -> dict[str, float]:
+def measure(rounds: int = 7, tokens: int = 40, cache: int = CACHE) -> dict[str, float]:
     """µs per token of every row, the median over interleaved rounds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rows = steps()
+        rows = steps(cache)
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(rounds):
         for name, step in rows.items():
@@ -176,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--cache", type=int, default=CACHE, help="tokens per cache")
     args = parser.parse_args(argv)
-    print("\n".join(render(measure(args.rounds, args.tokens))))
+    print("\n".join(render(measure(args.rounds, args.tokens, args.cache))))
 
 
 if __name__ == "__main__":
