@@ -17,12 +17,25 @@ token per call, the caches donated), written by hand without jaxstate:
 
 µs per token (pipelined: many calls, one wait), medians over rounds, and each
 row × its own loop. `--cache N` gives every decoder a cache of N tokens (S7's
-is 256). `python -m benchmarks` does not run this study; its result
-is quoted in docs/deep-models.md.
+is 256).
+
+`--profile` instead traces 20 tokens of S7's two decoders with `jax.profiler` and
+prints, per decoder, the compiled program's operations that took the most time
+(µs per token, and how many ran per token; operations of one kind, such as every
+layer's `transpose_copy_fusion.N` of the looped program, counted together).
+
+`python -m benchmarks` does not run this study; its result is quoted in
+docs/deep-models.md.
 """
 
 import argparse
+import collections
+import glob
+import gzip
+import json
+import re
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -159,6 +172,47 @@ def measure(rounds: int = 7, tokens: int = 40, cache: int = CACHE) -> dict[str, 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+_RUNTIME = ("$", "Thunk", "Pjit", "Common")
+
+
+def profile(cache: int = CACHE, tokens: int = 20, top: int = 8) -> list[str]:
+    """The operations of S7's two compiled decoders that take the most time, from
+    a `jax.profiler` trace (the XLA CPU runtime's events)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = steps(cache)
+    lines = []
+    for name in (JAXSTATE_SCAN, JAXSTATE_LOOP):
+        step = rows[name]
+        with tempfile.TemporaryDirectory() as folder:
+            out = None
+            with jax.profiler.trace(folder, create_perfetto_trace=True):
+                for _ in range(tokens):
+                    out = step()
+                jax.block_until_ready(out)
+            (path,) = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)
+            with gzip.open(path) as f:
+                trace = json.load(f)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        spent: collections.Counter = collections.Counter()
+        count: collections.Counter = collections.Counter()
+        for e in events:
+            # The program's own operations (fusions, dots, copies), not the
+            # runtime's or Python's frames around them.
+            op = e.get("name", "")
+            if e.get("ph") != "X" or " " in op or op.startswith(_RUNTIME):
+                continue
+            kind = re.sub(r"\.\d+$", "", op)
+            spent[kind] += e.get("dur", 0.0) / tokens
+            count[kind] += 1 / tokens
+        lines += [f"{name}:", "", "| operation | µs/token | per token |"]
+        lines.append("|---|---|---|")
+        for op, us in spent.most_common(top):
+            lines.append(f"| `{op}` | {us:,.0f} | {count[op]:g} |")
+        lines.append("")
+    return lines
+
+
 def render(us: dict[str, float]) -> list[str]:
     own_loop = {
         JAXSTATE_SCAN: JAXSTATE_LOOP,
@@ -181,8 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--cache", type=int, default=CACHE, help="tokens per cache")
+    parser.add_argument("--profile", action="store_true", help="per-operation times")
     args = parser.parse_args(argv)
-    print("\n".join(render(measure(args.rounds, args.tokens, args.cache))))
+    if args.profile:
+        print("\n".join(profile(args.cache)))
+    else:
+        print("\n".join(render(measure(args.rounds, args.tokens, args.cache))))
 
 
 if __name__ == "__main__":
