@@ -283,9 +283,9 @@ def rebuild(
     from `start` on); the modules among it are remembered in `memo` (with
     `remember`) unless the program gave a state its first value. (`memo` is `None`
     for a call under another transform, which remembers nothing.)"""
+    # (An output of one array does not come here from `execute`: see
+    # `Static.one_array`.)
     is_tuple, described = description
-    if not is_tuple and described[0].is_leaf:
-        return arrays[start]  # One array (see `Static.one_array`).
     outs = []
     for op in described:
         if op.is_leaf:
