@@ -150,7 +150,7 @@ def test_other_arguments_give_what_the_slow_path_gives(second):
 def test_new_shapes_on_the_fast_path_trace_again_with_the_states(hits):
     # A matched call goes straight to the compiled function, which JAX traces
     # again for arrays of new shapes: that trace must still see the call's states
-    # (`Program.tracing`), and each shape's output be rebuilt by its own trace's
+    # (`_program.calls_program`), and each shape's output be rebuilt by its own trace's
     # description.
     traces = []
 

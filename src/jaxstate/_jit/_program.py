@@ -5,6 +5,7 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 
 import inspect
 import os
+import sys
 import threading
 import types
 import warnings
@@ -68,12 +69,41 @@ class Undonate(Exception):
 
 
 class _Tracing(threading.local):
-    # The states of the call being made, `None` outside a call or lowering.
-    storages: Any = None
     # Set while a fresh program is traced ahead of its first call (`_probe`): a
     # trace that calls back is then finished and reused undonated, not stopped.
     probing: bool = False
     called_back: bool = False
+
+
+# The functions that call a program, by code, each with how to read the program and
+# the call's states from its frame's locals. `_inner` finds them there, in the
+# nearest such frame of its thread (`calls_program`): setting them aside per call,
+# in a thread-local, cost a training loop's call more than the rest of its checks.
+_CALLERS: dict[types.CodeType, Callable[[dict], tuple["Program", list]]] = {}
+
+
+def calls_program(read: Callable[[dict], tuple["Program", list]]):
+    """Registers the decorated function as one that calls a program: `read` gives,
+    from its frame's locals, the program and the states of the call."""
+
+    def register(fn):
+        _CALLERS[fn.__code__] = read
+        return fn
+
+    return register
+
+
+def _states_of_call(program: "Program") -> list:
+    """The states of the call of `program` this thread is making."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        read = _CALLERS.get(frame.f_code)
+        if read is not None:
+            caller, storages = read(frame.f_locals)
+            if caller is program:
+                return storages
+        frame = frame.f_back
+    raise AssertionError("a program traced without its states")
 
 
 class Program:
@@ -113,7 +143,7 @@ class Program:
         self.jitted: Any = None
         self.donating = True
         self._undonated = None
-        # The storages of the call being traced, per thread.
+        # Whether this thread is tracing ahead of the first call (`_probe`).
         self.tracing = _Tracing()
         # Until the first call has compiled, JAX's warning about donated buffers it
         # could not reuse may be hidden (as `eqx.filter_jit(donate="all")` does).
@@ -163,6 +193,7 @@ class Program:
             raise AssertionError("A program was called with a different signature.")
         return flat
 
+    @calls_program(lambda f: (f["self"], f["storages"]))
     def run(
         self,
         storages: list,
@@ -176,30 +207,22 @@ class Program:
         first if needed (or calls `executable`, its ahead-of-time compiled form).
         Returns its flat outputs: the new state buffers, the output arrays, and the
         `Static` naming the trace. (A call of a program that is `ready` may go
-        straight to `jitted` instead, with the flat inputs and `tracing.storages`
-        set.)"""
-        tracing = self.tracing
-        tracing.storages = storages
+        straight to `jitted` instead, with the flat inputs, from a function that
+        `calls_program`.)"""
+        inputs = self.bind(kept, bufs, donated)
+        if executable is not None or not self.ready or _jax.debugging_nans():
+            return self._guarded(inputs, hide_warning, executable)
         try:
-            inputs = self.bind(kept, bufs, donated)
-            if executable is not None or not self.ready or _jax.debugging_nans():
-                return self._guarded(inputs, hide_warning, executable)
-            try:
-                return self.jitted(*inputs)
-            except Undonate:
-                self.stop_donating()
-                return self._guarded(inputs, hide_warning, executable)
-        finally:
-            tracing.storages = None
+            return self.jitted(*inputs)
+        except Undonate:
+            self.stop_donating()
+            return self._guarded(inputs, hide_warning, executable)
 
+    @calls_program(lambda f: (f["self"], f["storages"]))
     def lower(
         self, storages: list, kept: Sequence, bufs: Sequence, donated: Sequence
     ) -> Any:
-        self.tracing.storages = storages
-        try:
-            return self.retrying(self.bind(kept, bufs, donated), lower=True)
-        finally:
-            self.tracing.storages = None
+        return self.retrying(self.bind(kept, bufs, donated), lower=True)
 
     def _guarded(
         self, inputs: Sequence, hide_warning: bool, executable: Callable | None
@@ -277,12 +300,11 @@ class Program:
         assert self.split is not None
         a, b = self.split
         kept, bufs, donated = flat[:a], flat[a:b], flat[b:]
-        storages = self.tracing.storages
-        # Every call names its states first (`run`, `lower`, `_wrapper.execute`).
-        # (Not an exception of our own that a retry catches: JAX's C++ dispatch
-        # never takes a signature whose trace once raised, so every later call of
-        # those shapes would go through JAX's Python path.)
-        assert storages is not None, "a program traced without its states"
+        # (Not set aside by the caller: it would cost every call. Nor an exception
+        # of our own that a retry catches: JAX's C++ dispatch never takes a
+        # signature whose trace once raised, so every later call of those shapes
+        # would go through JAX's Python path.)
+        storages = _states_of_call(self)
         # `bufs` holds the leaves of every distinct state that has a value, slot
         # after slot.
         proxies, local, it = [], [], iter(bufs)

@@ -17,7 +17,7 @@ from ._cache import programs_for
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
-from ._program import Program, Undonate
+from ._program import calls_program, Program, Undonate
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -200,6 +200,7 @@ class _JitWrapper:
         # All but the arrays of `fun`, the keyword arguments and the first argument.
         return arrays[:first], arrays[first:]
 
+    @calls_program(lambda f: (f["program"], f["call"].storages))
     def execute(
         self,
         program: Program,
@@ -236,9 +237,8 @@ class _JitWrapper:
                 and not (_debug_nans.value or _debug_infs.value)
             ):
                 # Every call of a training loop: straight to JAX's C++ dispatch.
-                # (JAX traces again for arrays of new shapes: name the states.)
-                tracing = program.tracing
-                tracing.storages = call.storages
+                # (JAX traces again for arrays of new shapes: the trace reads the
+                # states from this frame, `calls_program`.)
                 try:
                     out = program.jitted(*kept, *map(_get_buf, holders), *donated)
                 except Undonate:
@@ -248,8 +248,6 @@ class _JitWrapper:
                     out = program.run(
                         call.storages, kept, bufs, donated, self.hide_warning
                     )
-                finally:
-                    tracing.storages = None
             else:
                 bufs = list(map(_get_buf, holders))
                 out = program.run(
