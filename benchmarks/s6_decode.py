@@ -14,8 +14,8 @@ from Equinox layers with `jaxstate.nn.CachedSelfAttention` (the cache in state),
 compiled three ways (plain
 `jax.jit` takes the model's arrays and closes over the rest, since
 `eqx.nn.MultiheadAttention` holds Python numbers). The hand-threaded baseline passes
-the caches and the position in and out of `jax.jit` (donated). All start from the
-Flax model's weights.
+the caches and the position in and out of `jax.jit` (donated), laid out heads first
+as `jaxstate.nn.KVCache` stores them. All start from the Flax model's weights.
 """
 
 import math
@@ -295,16 +295,17 @@ class HandBlock(eqx.Module):
         h = self.norm1(x)
         mha = self.mha
         q = mha.query_proj(h).reshape(HEADS, HEAD) / math.sqrt(HEAD)
-        k = mha.key_proj(h).reshape(1, HEADS, HEAD)
-        v = mha.value_proj(h).reshape(1, HEADS, HEAD)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (pos, 0, 0))
-        logits = jnp.einsum("hd,khd->hk", q, k_cache)
+        # The caches laid out as jaxstate's KVCache stores them, heads first.
+        k = mha.key_proj(h).reshape(HEADS, 1, HEAD)
+        v = mha.value_proj(h).reshape(HEADS, 1, HEAD)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, pos, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, pos, 0))
+        logits = jnp.einsum("hd,hkd->hk", q, k_cache)
         logits = jnp.where(
             jnp.arange(MAX_LEN) <= pos, logits, jnp.finfo(logits.dtype).min
         )
         weights = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("hk,khd->hd", weights, v_cache).reshape(DIM)
+        out = jnp.einsum("hk,hkd->hd", weights, v_cache).reshape(DIM)
         x = x + mha.output_proj(out)
         x = x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
         return x, (k_cache, v_cache)
@@ -338,7 +339,7 @@ class HandDecoder(eqx.Module):
 
 
 def _empty_caches():
-    zeros = lambda: jnp.zeros((MAX_LEN, HEADS, HEAD), jnp.float32)
+    zeros = lambda: jnp.zeros((HEADS, MAX_LEN, HEAD), jnp.float32)
     return tuple((zeros(), zeros()) for _ in range(LAYERS)), jnp.zeros((), jnp.int32)
 
 

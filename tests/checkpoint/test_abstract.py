@@ -271,7 +271,11 @@ def test_what_needs_values_says_the_model_is_abstract(fn):
 def test_summary_takes_an_abstract_model_and_allocates_nothing():
     like = eqx.filter_eval_shape(Decoder, jax.random.key(1))
     rows = {r.name: r for r in jaxstate.summary(like).rows}
-    assert rows["attn.cache.buffers[0]"].shape == (6, 2, 4)
+    assert rows["attn.cache.buffers[0]"].shape == (
+        2,
+        6,
+        4,
+    )  # heads, positions, head size
     assert rows["attn.cache.buffers[0]"].sharding == "-"
     assert not _has_memory(like)
     with pytest.raises(RuntimeError, match="abstract"):

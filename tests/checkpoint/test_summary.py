@@ -34,7 +34,7 @@ def test_the_table_and_its_numbers():
     assert rows["body.linear.weight"].nbytes == 48
     assert rows["body.bn.batch_state[1]"].kind == "batch_stats"
     assert rows["body.calls"].kind == "state"  # LinearBatchNorm's own
-    assert rows["attn.cache.buffers[0]"].shape == (8, 2, 2)
+    assert rows["attn.cache.buffers[0]"].shape == (2, 8, 2)  # heads, positions, size
     assert rows["attn.cache.buffers[0]"].nbytes == 8 * 2 * 2 * 4
     assert not rows["attn.cache.buffers[0]"].persistent
     assert rows["lazy"].shape is None and rows["lazy"].kind == "metric"

@@ -356,3 +356,112 @@ def test_the_extension_api_refuses_what_does_not_fit():
     assert int(jnp.sum(get_stacked(frozen)[1])) == 0
     with pytest.raises(TypeError, match="StateIndex"):
         get_stacked(jnp.zeros(2))
+
+
+#
+# `set_rows` along another axis than the first (how `KVCache` stores its buffers).
+#
+
+
+class HeadsFirst(eqx.Module):
+    """A cache laid out (heads, positions, size), written along axis 1."""
+
+    cache: jaxstate.StateIndex
+
+    def __init__(self, heads=2, length=5, size=3):
+        zeros = jnp.zeros((heads, length, size))
+        self.cache = jaxstate.StateIndex(init=(zeros, zeros[..., 0]))
+
+    def write(self, rows, start):
+        return set_rows(writable(self.cache), rows, start, axis=1)
+
+
+def _rows(seed, heads=2, n=2, size=3):
+    keys = jax.random.normal(jax.random.key(seed), (heads, n, size))
+    return keys, keys[..., 0] + 1
+
+
+def _expected(state, rows, start):
+    return tuple(
+        lax.dynamic_update_slice_in_dim(s, r, min(start, s.shape[1] - r.shape[1]), 1)
+        for s, r in zip(state, rows)
+    )
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_set_rows_along_another_axis_writes_those_entries(compiler):
+    model = HeadsFirst()
+    write = COMPILERS[compiler](lambda m, r, s: m.write(r, s))
+    want = tuple(np.asarray(x) for x in model.cache.unsafe_get())
+    # The second start is clamped, as `lax.dynamic_update_slice` clamps it.
+    for seed, start in [(0, 1), (1, 4), (2, 0)]:
+        rows = _rows(seed)
+        got = write(model, rows, jnp.asarray(start, jnp.int32))
+        want = _expected(want, rows, start)
+        for g, s, w in zip(got, model.cache.unsafe_get(), want):
+            np.testing.assert_array_equal(g, w)  # what it returns
+            np.testing.assert_array_equal(s, w)  # what is stored
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_set_rows_along_another_axis_per_member_under_vmap(compiler):
+    # One cache per member (made under a vmap), each written from its own start:
+    # through references, one scatter over every axis before `axis` as well.
+    models = eqx.filter_vmap(HeadsFirst, axis_size=3)()
+    write = COMPILERS[compiler](
+        lambda m, r, s: eqx.filter_vmap(HeadsFirst.write)(m, r, s)
+    )
+    rows = jax.vmap(_rows)(jnp.arange(3))
+    starts = jnp.array([0, 2, 4], jnp.int32)
+    write(models, rows, starts)
+    stored = models.cache.unsafe_get()
+    for i in range(3):
+        member = tuple(jnp.zeros_like(s[i]) for s in stored)
+        want = _expected(member, tuple(r[i] for r in rows), int(starts[i]))
+        for s, w in zip(stored, want):
+            np.testing.assert_array_equal(s[i], w)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_set_rows_along_another_axis_on_a_scanned_layers_slice(compiler):
+    layers = eqx.filter_vmap(HeadsFirst, axis_size=4)()
+
+    def run(layers, rows):
+        def body(carry, layer_rows):
+            layer, r = layer_rows
+            layer.write(r, jnp.asarray(1, jnp.int32))
+            return carry, None
+
+        return jaxstate.scan(body, None, (layers, rows))
+
+    rows = jax.vmap(_rows)(jnp.arange(4))
+    COMPILERS[compiler](run)(layers, rows)
+    stored = layers.cache.unsafe_get()
+    for i in range(4):
+        member = tuple(jnp.zeros_like(s[i]) for s in stored)
+        want = _expected(member, tuple(r[i] for r in rows), 1)
+        for s, w in zip(stored, want):
+            np.testing.assert_array_equal(s[i], w)
+
+
+def test_set_rows_refuses_a_bad_axis_and_leaves_the_state(wrong_type_raises):
+    model = HeadsFirst()
+    rows = _rows(0)
+    before = [np.asarray(x) for x in model.cache.unsafe_get()]
+    for axis in (-1, True):  # (numbered from the first only; a bool is no axis)
+        with pytest.raises(ValueError, match="non-negative int `axis`"):
+            set_rows(model.cache, rows, 0, axis=axis)
+    for axis in (1.0, None):
+        with wrong_type_raises(ValueError, match="non-negative int `axis`"):
+            set_rows(model.cache, rows, 0, axis=axis)  # pyright: ignore
+    # An axis the state's second leaf does not have.
+    with pytest.raises(RuntimeError, match="along its axis 2"):
+        set_rows(model.cache, rows, 0, axis=2)
+    # Rows shaped for the first axis, given for the second.
+    with pytest.raises(RuntimeError, match="along its axis 1"):
+        set_rows(model.cache, (rows[0][:1], rows[1][:1]), 0, axis=1)
+    # The other axes must match: here the heads.
+    with pytest.raises(RuntimeError, match="along its axis 1"):
+        set_rows(model.cache, _rows(0, heads=3), 0, axis=1)
+    for s, b in zip(model.cache.unsafe_get(), before):
+        np.testing.assert_array_equal(s, b)

@@ -192,7 +192,8 @@ def test_resize_all_eagerly_keeps_parameters_and_old_caches():
             assert a is b
         assert new.cache.batch_size == 3 and new.cache.max_len == 6
         np.testing.assert_array_equal(new.cache.length(), [0, 0, 0])
-        assert new.cache.buffers.unsafe_get()[0].shape == (3, 6, HEADS, DIM // HEADS)
+        # (Stored heads first: sequences, heads, positions, head size.)
+        assert new.cache.buffers.unsafe_get()[0].shape == (3, HEADS, 6, DIM // HEADS)
         assert int(old.cache.length()) == 3  # the old caches are untouched
     layer = model.layers[0].resized(2)
     assert layer.cache.batch_size == 2 and layer.cache.max_len == MAX_LEN
@@ -232,7 +233,8 @@ def test_resized_model_returned_from_jit(jit):
 
     batched = JITS[jit](prefill)(model, jnp.ones((2, 3), jnp.int32))
     np.testing.assert_array_equal(batched.layers[0].cache.length(), [3, 3])
-    assert batched.layers[0].cache.buffers.unsafe_get()[0].shape[:2] == (2, 8)
+    stored = batched.layers[0].cache.buffers.unsafe_get()[0].shape
+    assert (stored[0], stored[2]) == (2, 8)  # sequences, (heads,) positions
     # It decodes on, eagerly.
     out = jax.vmap(lambda t: batched(t, use_cache=True))(jnp.ones((2, 1), jnp.int32))
     np.testing.assert_allclose(out[0], model(jnp.ones(4, jnp.int32))[-1:], **TOL)
@@ -325,7 +327,7 @@ def test_overflow_batched_nan_mode_only_the_sequence_that_overflows(jit):
     after = [np.asarray(b) for b in cache.buffers.unsafe_get()]
     for got, want in zip(after, before):
         np.testing.assert_array_equal(got[0], want[0])  # the first: unchanged
-        np.testing.assert_array_equal(got[1, 1:3], 2)  # the second: stored
+        np.testing.assert_array_equal(got[1, :, 1:3], 2)  # the second: stored
 
 
 #

@@ -145,9 +145,9 @@ def write(handle: Handle, state: Any, fn: str) -> None:
         storage.pending.flag[...] = True
 
 
-def _check_rows(storage: Storage, leaves: list, treedef, fn: str) -> int:
+def _check_rows(storage: Storage, leaves: list, treedef, fn: str, axis: int) -> int:
     """Checks `rows` (`leaves` of structure `treedef`) against a set state: its
-    structure, and for each leaf the state's dtype and shape past the first axis,
+    structure, and for each leaf the state's dtype and shape but along `axis`,
     with the same number of rows for every leaf, at most the state's. Returns that
     number."""
     what = f"`rows` passed to `{fn}`"
@@ -163,17 +163,18 @@ def _check_rows(storage: Storage, leaves: list, treedef, fn: str) -> int:
         want = tuple(aval.shape)
         if (
             dtype != aval.dtype
-            or not shape
-            or not want
-            or shape[1:] != want[1:]
-            or not 1 <= shape[0] <= want[0]
+            or len(shape) != len(want)
+            or axis >= len(want)
+            or shape[:axis] + shape[axis + 1 :] != want[:axis] + want[axis + 1 :]
+            or not 1 <= shape[axis] <= want[axis]
         ):
+            along = "its first axis" if axis == 0 else f"its axis {axis}"
             raise RuntimeError(
                 f"{what} has a leaf {i} of {aval_text(shape, dtype)}, but the state's "
-                f"leaf is {aval_text(want, aval.dtype)}: rows are entries along its "
-                "first axis, of its dtype (cast them first)."
+                f"leaf is {aval_text(want, aval.dtype)}: rows are entries along "
+                f"{along}, of its dtype (cast them first)."
             )
-        counts.add(shape[0])
+        counts.add(shape[axis])
     if len(counts) > 1:
         raise RuntimeError(
             f"{what} has {sorted(counts)} rows in different leaves: give every leaf "
@@ -182,12 +183,12 @@ def _check_rows(storage: Storage, leaves: list, treedef, fn: str) -> int:
     return counts.pop() if counts else 0
 
 
-def _with_rows(state: Any, rows: Any, start: Any) -> Any:
-    """`state` with `rows` written from `start` along each leaf's first axis."""
+def _with_rows(state: Any, rows: Any, start: Any, axis: int) -> Any:
+    """`state` with `rows` written from `start` along each leaf's axis `axis`."""
 
     def put(leaf, row):
-        zero = jnp.zeros_like(start)
-        at = (start, *[zero] * (leaf.ndim - 1))
+        at = [jnp.zeros_like(start)] * leaf.ndim
+        at[axis] = start
         # `start` is clamped, never negative: JAX's wrapping of negative indices
         # would only add operations to every trace.
         return lax.dynamic_update_slice(leaf, row, at, allow_negative_indices=False)
@@ -195,9 +196,9 @@ def _with_rows(state: Any, rows: Any, start: Any) -> Any:
     return jtu.tree_map(put, state, rows)
 
 
-def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
+def write_rows(handle: Handle, rows: Any, start: Any, fn: str, axis: int = 0) -> Any:
     """Writes `rows` into the state of `handle` (one vmap member's): per leaf, `n`
-    entries along its first axis, from `start` (an integer scalar, clamped so that
+    entries along its axis `axis`, from `start` (an integer scalar, clamped so that
     they fit every leaf). Returns the state after the write, as `read` does.
 
     Through references, only those rows are written, in place, and the state is
@@ -211,9 +212,9 @@ def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
     refs = storage.refs
     assert refs is not None
     row_leaves, treedef = array_leaves(rows, fn, "rows")
-    n = _check_rows(storage, row_leaves, treedef, fn)
+    n = _check_rows(storage, row_leaves, treedef, fn, axis)
     # Clamped as `lax.dynamic_update_slice` clamps it, to fit every leaf.
-    length = min((a.shape[0] for a in storage.member_avals), default=n)
+    length = min((a.shape[axis] for a in storage.member_avals), default=n)
     start = jnp.clip(jnp.asarray(start), 0, length - n)
     if (
         _jax.is_eager()
@@ -223,7 +224,7 @@ def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
         # would be indexed around the layer axis, which JAX's indexing moves.
         or any(isinstance(ref, SliceRef) and not ref.leading for ref in refs)
     ):
-        state = _with_rows(read(handle, None, fn), rows, start)
+        state = _with_rows(read(handle, None, fn), rows, start, axis)
         write(handle, state, fn)
         return state
     note_reached(storage)
@@ -236,16 +237,19 @@ def write_rows(handle: Handle, rows: Any, start: Any, fn: str) -> Any:
         stacked_value(lax.stop_gradient(jnp.asarray(r)), batch_shape)
         for r in row_leaves
     ]
-    if batch_shape:
-        # Each member's rows from its own start: one scatter.
-        members = [g[..., None] for g in jnp.indices(batch_shape, sparse=True)]
-        rows_at = jnp.arange(n, dtype=first.dtype).reshape(
-            (1,) * len(batch_shape) + (n,)
-        )
-        index = (*members, first[..., None] + rows_at)
-    else:
-        index = (_jax.dynamic_slice(first, n),)
-    for ref, value in zip(refs, values, strict=True):
+    for ref, value, aval in zip(refs, values, storage.member_avals, strict=True):
+        if batch_shape:
+            # Each member's rows from its own start: one scatter. The axes before
+            # `axis` are indexed too (every entry), so that all the indices are
+            # arrays side by side, and the value keeps its layout.
+            before = tuple(aval.shape[:axis])
+            grid = jnp.indices(batch_shape + before, sparse=True)
+            lead = (1,) * (len(batch_shape) + len(before))
+            rows_at = jnp.arange(n, dtype=first.dtype).reshape(lead + (n,))
+            at = first.reshape(batch_shape + (1,) * (len(before) + 1)) + rows_at
+            index = (*(g[..., None] for g in grid), at)
+        else:
+            index = (*[slice(None)] * axis, _jax.dynamic_slice(first, n))
         ref[index] = value
     if storage.pending is not None:
         storage.pending.flag[...] = True

@@ -148,10 +148,14 @@ def set_stacked(index: StateIndex, value: PyTree[ArrayLike]) -> None:
 
 
 def set_rows(
-    index: StateIndex, rows: PyTree[ArrayLike], start: Int[ArrayLike, ""]
+    index: StateIndex,
+    rows: PyTree[ArrayLike],
+    start: Int[ArrayLike, ""],
+    *,
+    axis: int = 0,
 ) -> PyTree[Array]:
     """Writes a few rows of the state: per leaf, the entries `start, ...,
-    start + n - 1` along its first axis (as one vmap member sees it) become those
+    start + n - 1` along its axis `axis` (as one vmap member sees it) become those
     of `rows`. The rest of the state is kept.
 
     The same as `set_state(index, state)` with `state` the stored value updated by
@@ -165,10 +169,14 @@ def set_rows(
     - `index`: a [`jaxstate.StateIndex`][] whose state is set, every leaf of it
         at least one axis.
     - `rows`: a PyTree of arrays of the state's structure and dtypes, each leaf of
-        the state's shape except along the first axis, which holds the same number
-        `n` of entries in every leaf.
+        the state's shape except along `axis`, which holds the same number `n` of
+        entries in every leaf.
     - `start`: an integer scalar, possibly traced; as in
         `lax.dynamic_update_slice`, clamped so that the rows fit.
+    - `axis`: the axis the rows are entries of, in every leaf (`0`, the first, by
+        default). A cache laid out as the computation reads it, such as
+        `(heads, positions, size)`, saves XLA a transpose of the whole cache on
+        every step.
 
     **Returns:**
 
@@ -178,18 +186,26 @@ def set_rows(
     **Raises:**
 
     As [`jaxstate.set_state`][]; a `RuntimeError` for rows that do not fit the
-    state, or a state with no value yet.
+    state (along `axis`), or a state with no value yet; a `ValueError` for an
+    `axis` that is not a non-negative int.
 
     !!! example
 
         ```python
         # A cache of 128 positions: write 4 new ones at `position`.
         keys = jaxstate.extend.set_rows(self.keys, new_keys, position)
+        # Laid out (heads, positions, size): the new ones are (heads, 4, size).
+        keys = jaxstate.extend.set_rows(self.keys, new_keys, position, axis=1)
         ```
     """
     check_index(index, "set_rows")
     _check_writable(index, "set_rows")
-    return write_rows(index._handle, rows, start, "set_rows")
+    if type(axis) is not int or axis < 0:
+        raise ValueError(
+            f"`set_rows` takes a non-negative int `axis`, got {axis!r}: count the "
+            "axes of one member's state from the first, 0."
+        )
+    return write_rows(index._handle, rows, start, "set_rows", axis)
 
 
 def stacked_axes(index: StateIndex) -> tuple[int, ...]:

@@ -87,7 +87,9 @@ def calls_program(read: Callable[[dict], tuple["Program", list]]):
     from its frame's locals, the program and the states of the call."""
 
     def register(fn):
-        _CALLERS[fn.__code__] = read
+        # The function's own code, not a wrapper's (a type checker's, say, whose
+        # code may be shared by every function it wraps).
+        _CALLERS[inspect.unwrap(fn).__code__] = read
         return fn
 
     return register

@@ -11,8 +11,8 @@ from ._util import promote
 
 def _attend(
     query: Float[Array, "q heads qk"],
-    key: Float[Array, "kv heads qk"],
-    value: Float[Array, "kv heads vo"],
+    key: Float[Array, "heads kv qk"],
+    value: Float[Array, "heads kv vo"],
     mask: Bool[Array, "q kv"],
     dropout: eqx.nn.Dropout,
     dropout_key: PRNGKeyArray | None,
@@ -21,8 +21,10 @@ def _attend(
     # The same computation as `eqx.nn.MultiheadAttention` (scaled dot product,
     # masked with the dtype's minimum, softmax in at least float32), so that the
     # wrapped layer and this one give the same numbers.
+    # (Keys and values heads first, as a `KVCache` stores them: XLA's dot wants the
+    # batch axis, the heads, first.)
     query = query / math.sqrt(query.shape[-1])
-    logits = jnp.einsum("qhd,khd->hqk", query, key)
+    logits = jnp.einsum("qhd,hkd->hqk", query, key)
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     dtype = promote(logits.dtype, jnp.float32)  # also under strict promotion
     weights = jax.nn.softmax(logits.astype(dtype), axis=-1).astype(logits.dtype)
@@ -31,7 +33,7 @@ def _attend(
         # leaves in Python, which plain `jax.jit` would have traced, and decoding
         # (the reason for this layer) never drops out.
         weights = dropout(weights, key=dropout_key, inference=inference)
-    return jnp.einsum("hqk,khd->qhd", weights, value)
+    return jnp.einsum("hqk,hkd->qhd", weights, value)
 
 
 class CachedSelfAttention(eqx.Module):
@@ -201,7 +203,7 @@ class CachedSelfAttention(eqx.Module):
         else:
             rank = jnp.cumsum(padding_mask, dtype=jnp.int32) - 1
         if use_cache:
-            key_, value, start, fits = self.cache.append(key_, value, padding_mask)
+            key_, value, start, fits = self.cache._append(key_, value, padding_mask)
             if not self.cache._guards_writes():
                 fits = None  # a call that overflows does not finish
             query_pos = start + rank
@@ -209,6 +211,7 @@ class CachedSelfAttention(eqx.Module):
             mask = key_pos[None, :] <= query_pos[:, None]
         else:
             fits = None
+            key_, value = key_.transpose(1, 0, 2), value.transpose(1, 0, 2)
             mask = rank[None, :] <= rank[:, None]
             if padding_mask is not None:
                 mask = mask & padding_mask[None, :]

@@ -127,9 +127,15 @@ class KVCache(eqx.Module):
                 f"KVCache on_overflow must be 'error' or 'nan', got {on_overflow!r}."
             )
         dtype = np.dtype(default_float() if dtype is None else dtype)
+        # Stored heads first, `(num_heads, max_len, size)`: the layout attention's
+        # products read without a transpose (`CachedSelfAttention` takes them so,
+        # from `_append`). `append` returns them as `(max_len, num_heads, size)`,
+        # a transpose that XLA cancels against the one the products would then
+        # make. Stored that way, every cache was copied whole on every step: about
+        # half a decoding step's time on a CPU (docs/kv-cache.md).
         buffers = (
-            jnp.zeros((max_len, num_heads, key_size), dtype),
-            jnp.zeros((max_len, num_heads, value_size), dtype),
+            jnp.zeros((num_heads, max_len, key_size), dtype),
+            jnp.zeros((num_heads, max_len, value_size), dtype),
         )
         # int32 whatever `jax_enable_x64` says: positions index buffers, and JAX
         # wants every index of one `dynamic_slice` in one dtype.
@@ -200,6 +206,26 @@ class KVCache(eqx.Module):
         not created under. The cache is unchanged after an error (see
         docs/kv-cache.md for compiled calls).
         """
+        all_keys, all_values, start, fits = self._append(keys, values, padding_mask)
+        return (
+            all_keys.transpose(1, 0, 2),
+            all_values.transpose(1, 0, 2),
+            start,
+            fits,
+        )
+
+    def _append(
+        self,
+        keys: Float[Array, "tokens num_heads key_size"],
+        values: Float[Array, "tokens num_heads value_size"],
+        padding_mask: Bool[Array, " tokens"] | None,
+    ) -> tuple[
+        Float[Array, "num_heads max_len key_size"],
+        Float[Array, "num_heads max_len value_size"],
+        Int[Array, ""],
+        Bool[Array, ""],
+    ]:
+        """`append`, returning the buffers as stored, heads first."""
         keys, values = jnp.asarray(keys), jnp.asarray(values)
         n = keys.shape[0] if keys.ndim == 3 else -1
         expected_k = (n, self.num_heads, self.key_size)
@@ -242,21 +268,19 @@ class KVCache(eqx.Module):
             # With the guards on, the check lets a call go on (`EQX_ON_ERROR`),
             # maybe with junk (`nan`): the position then falls back on `before`.
             start = self._check_fits(start, n_new, fits)
-        keys = keys.astype(all_keys.dtype)
-        values = values.astype(all_values.dtype)
+        # As stored: `(num_heads, tokens, size)`.
+        keys = keys.astype(all_keys.dtype).transpose(1, 0, 2)
+        values = values.astype(all_values.dtype).transpose(1, 0, 2)
         if padding_mask is None:
-            zero = jnp.zeros((), index_dtype)
-            at = (start, zero, zero)
+            first = start
             if guard:
                 # `dynamic_update_slice` would clamp the start and overwrite the
                 # last positions. When the tokens do not fit, write back what is
                 # there instead: a slice of `n` positions, where a `where` over
                 # the whole buffers would copy them on every step.
-                at = (
-                    jnp.minimum(start, self.max_len - n).astype(index_dtype),
-                    zero,
-                    zero,
-                )
+                zero = jnp.zeros((), index_dtype)
+                first = jnp.minimum(start, self.max_len - n).astype(index_dtype)
+                at = (zero, first, zero)
                 keys = jnp.where(
                     fits, keys, lax.dynamic_slice(all_keys, at, keys.shape)
                 )
@@ -268,7 +292,7 @@ class KVCache(eqx.Module):
             # `jaxstate.scan`, where writing back the whole buffers (or reading
             # them before the write and using them after) would copy them.
             all_keys, all_values = set_rows(
-                writable(self.buffers), (keys, values), at[0]
+                writable(self.buffers), (keys, values), first, axis=1
             )
         else:
             # Real tokens to consecutive positions; padding (and everything, when
@@ -277,8 +301,8 @@ class KVCache(eqx.Module):
             dest = jnp.where(
                 padding_mask & fits if guard else padding_mask, slot, self.max_len
             )
-            all_keys = all_keys.at[dest].set(keys, mode="drop")
-            all_values = all_values.at[dest].set(values, mode="drop")
+            all_keys = all_keys.at[:, dest].set(keys, mode="drop")
+            all_values = all_values.at[:, dest].set(values, mode="drop")
             set_state(writable(self.buffers), (all_keys, all_values))
         end = jnp.where(fits, start + n_new, before) if guard else start + n_new
         set_state(writable(self.position), end)

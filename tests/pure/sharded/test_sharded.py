@@ -241,9 +241,9 @@ def test_explicit_mesh_stacked_caches_sharded_over_sequences(jit):
         step(caches, k)
     keys, values = caches.buffers.unsafe_get()
     assert keys.sharding.is_equivalent_to(sharding, 5), keys.sharding
-    assert keys.addressable_shards[0].data.shape == (2, 1, 6, 2, 4)
-    expected = np.broadcast_to(np.asarray(k), (3, 8, 1, 2, 4))
-    expected = np.moveaxis(expected, 0, 1).reshape(8, 3, 2, 4)
-    np.testing.assert_array_equal(np.asarray(keys)[:, :, :3], [expected] * 2)
+    # (Stored as layers, sequences, heads, positions, size.)
+    assert keys.addressable_shards[0].data.shape == (2, 1, 2, 6, 4)
+    expected = np.broadcast_to(np.asarray(k)[:, 0, :, None, :], (8, 2, 3, 4))
+    np.testing.assert_array_equal(np.asarray(keys)[:, :, :, :3], [expected] * 2)
     np.testing.assert_array_equal(np.asarray(values), np.asarray(keys))
     assert caches.length().tolist() == [[3] * 8] * 2
