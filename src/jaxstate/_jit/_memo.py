@@ -15,8 +15,12 @@ from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
 
 
 # What is remembered: objects whose part can change only where a guard sees it.
-_REMEMBERED = (eqx.Module, tuple, list, dict)
-_BUILTIN = (tuple, list, dict)
+# Python's scalars too: a step is often passed a learning rate, the same object on
+# every call, which would otherwise send every call down the slow path.
+_SCALARS = (int, float, complex, str, type(None))
+_REMEMBERED = (eqx.Module, tuple, list, dict, *_SCALARS)
+# Held until the next call (they have no weak references).
+_BUILTIN = (tuple, list, dict, *_SCALARS)
 
 
 class _Held:
