@@ -17,8 +17,9 @@ nothing cached from an earlier build) and the time per step once compiled.
 cache, vocabulary 64) generating greedily, one compiled call per token, the cache
 reset every 256 tokens; the layers stacked and run by `jaxstate.scan`, or built one
 by one and looped over, from the same weights, both compiled by `jaxstate.jit`. The
-caches are made with `on_overflow="nan"` (no run-time check, so `jaxstate.jit`
-donates them and both decoders update them in place).
+caches are made with `on_overflow="nan"`: no run-time check, so the steps are
+not waited for (with the default check each call reads whether it failed), and
+both decoders update the caches in place.
 """
 
 import dataclasses

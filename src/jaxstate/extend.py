@@ -16,13 +16,19 @@ buffer, a running quantile or a cache of another layout is written the way
 - [`set_rows`][jaxstate.extend.set_rows]: write a few rows in place (a cache that
   grows).
 - [`eager_value`][jaxstate.extend.eager_value]: check values eagerly, before
-  anything is written.
+  anything is written; [`error_if`][jaxstate.extend.error_if] and
+  [`fails_after_call`][jaxstate.extend.fails_after_call]: check them in compiled
+  code, a failed call keeping its state (updated in place otherwise).
 - [`flag_field`][jaxstate.extend.flag_field], `Flag` (the type it
   holds), [`flag_value`][jaxstate.extend.flag_value]: an `inference` flag that
   `jaxstate.tree_inference` and `eqx.nn.inference_mode` switch and plain `jax.jit`
   does not trace.
 """
 
+from ._core._failure import (
+    error_if as error_if,
+    fails_after_call as fails_after_call,
+)
 from ._core._flag import (
     Flag as Flag,
     flag_field as flag_field,

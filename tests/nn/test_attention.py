@@ -292,16 +292,16 @@ def test_overflow_eager_raises_and_leaves_cache():
 
 
 def test_overflow_compiled_raises_and_jaxstate_jit_keeps_cache():
-    # The default, on_overflow="error": the compiled call fails when it runs.
-    # `jaxstate.jit` sees the check's callback and passes the state undonated, so
-    # the failed call leaves every cache as it was.
+    # The default, on_overflow="error": the compiled call fails. Under
+    # `jaxstate.jit` (the caches passed in) it runs to the end, puts back every
+    # state it was passed, and raises (`jaxstate.extend.error_if`).
     model = TinyLM(jax.random.key(7))
     step = jaxstate.jit(lambda m, t: m(t, use_cache=True))
     tokens = _tokens(MAX_LEN)
     step(model, tokens[:-2])
     step(model, tokens[-2:-1])
     before = snapshot(model)
-    with pytest.raises(Exception, match="do not fit in max_len=12"):
+    with pytest.raises(eqx.EquinoxRuntimeError, match="do not fit in max_len=12"):
         step(model, tokens[:2])  # needs 2 positions, 1 is left
     assert_unchanged(model, before)
     assert [int(n) for n in _lengths(model)] == [MAX_LEN - 1] * 2

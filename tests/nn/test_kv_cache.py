@@ -394,3 +394,42 @@ print(attn.cache.length().tolist(), attn.cache.dtype)
 """
     out = run_python("-c", code, timeout=300)
     assert out.stdout.split() == ["[4,", "4]", "float64"]
+
+
+#
+# Under `jaxstate.jit`: the overflow fails the call after it has run
+#
+
+
+def test_overflow_of_one_cache_puts_back_the_positions_of_all():
+    # Two caches out of step: the short one overflows, the long one fits. The
+    # call raises; every position is put back, and what the long cache holds below
+    # its position is as it was (its rows past it are never read).
+    short, long = KVCache(4, 2, 3), KVCache(8, 2, 3)
+    step = jaxstate.jit(lambda a, b, k: (a.append(k, k)[2], b.append(k, k)[2]))
+    k = jnp.arange(18, dtype=jnp.float32).reshape(3, 2, 3)
+    step(short, long, k)
+    held = long.buffers.unsafe_get()
+    with pytest.raises(eqx.EquinoxRuntimeError, match="do not fit in max_len=4"):
+        step(short, long, k[:2])
+    assert [int(short.length()), int(long.length())] == [3, 3]
+    for before, after in zip(held, long.buffers.unsafe_get(), strict=True):
+        np.testing.assert_array_equal(after[:, :3], before[:, :3])
+    # Decoding goes on as if the failed call had not been made.
+    step(short, long, k[:1])
+    np.testing.assert_array_equal(long.buffers.unsafe_get()[0][:, 3], k[0])
+    assert [int(short.length()), int(long.length())] == [4, 4]
+
+
+def test_a_decoding_step_keeps_its_caches_donated():
+    # The check is no host callback under `jaxstate.jit`: nothing stops XLA
+    # from writing the caches in place (undonated, each would be copied whole on
+    # every step).
+    model = LM(jax.random.key(0))
+    step = jaxstate.jit(lambda m, t: m(t, use_cache=True))
+    tokens = jnp.arange(3) % VOCAB
+    step(model, tokens)
+    text = step.lower(model, tokens[:1]).as_text()
+    assert "callback" not in text
+    # Keys, values and position of each of the two layers.
+    assert text.count("tf.aliasing_output") == 6

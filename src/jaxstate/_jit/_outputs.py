@@ -240,14 +240,17 @@ class Static:
     JAX keeps a program's output structure in caches that live as long as the
     program's function. The description itself may hold indices of static fields
     (whose states then could never be freed), so only this number goes there, and
-    whether the output is one array (a loss: returned without `rebuild`)."""
+    whether the output is one array (a loss: returned without `rebuild`). With
+    `checks` (the messages of `jaxstate.extend.error_if`), the output before it is
+    the number of the one that failed, or 0."""
 
-    __slots__ = ("value", "one_array")
+    __slots__ = ("value", "one_array", "checks")
 
-    def __init__(self, value: int, description: "Description"):
+    def __init__(self, value: int, description: "Description", checks: list[str]):
         self.value = value
         is_tuple, described = description
         self.one_array = not is_tuple and described[0].is_leaf
+        self.checks = tuple(checks) or None
 
 
 # The instance itself is the aux data, so rebuilding it is one Python call that

@@ -19,6 +19,7 @@ from jax.experimental import checkify
 
 from .. import _equinox, _jax
 from .._core._context import passed_in, ReachedByClosure
+from .._core._failure import checking, failure_code
 from .._core._local import LocalRef
 from .._core._storage import Handle, Storage
 from ._outputs import describe, Description, Static
@@ -309,13 +310,14 @@ class Program:
         storages = _states_of_call(self)
         # `bufs` holds the leaves of every distinct state that has a value, slot
         # after slot.
-        proxies, local, it = [], [], iter(bufs)
+        proxies, local, owners, it = [], [], [], iter(bufs)
         for number, real in enumerate(storages):
             refs = None
             if self.signatures[number]:
                 refs = tuple(LocalRef(next(it), top) for _ in real.member_avals)
                 local += refs
             proxy = Storage.proxy(real, refs)
+            owners += [proxy.id] * len(refs or ())
             proxy.top = top
             proxies.append(proxy)
         handles = [Handle.of(p) for p in proxies]
@@ -324,7 +326,7 @@ class Program:
             jtu.tree_unflatten(treedef, _rebuild(spec, arrays, handles))
             for treedef, spec in self.key
         ]
-        with passed_in(storages) as closed:
+        with passed_in(storages) as closed, checking(top) as checks:
             try:
                 out = fun(*args, **kwargs)
             except ValueError as e:
@@ -356,6 +358,14 @@ class Program:
                 jnp.where(failed, old, new)
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
+        # A failed `jaxstate.extend.error_if`: the state is put back (but what the
+        # layer keeps right itself), and the call raises once it has run.
+        code = failure_code(checks)
+        if code is not None:
+            new_bufs = [
+                new if owner in checks.free else jnp.where(code != 0, old, new)
+                for old, new, owner in zip(bufs, new_bufs, owners, strict=True)
+            ]
         out_arrays, description = describe(
             out, {p.id: i for i, p in enumerate(proxies)}, self.signatures
         )
@@ -364,4 +374,7 @@ class Program:
         # of its type, in order, so the state's buffers (donated first) are each
         # reused for that state's own new value. (Else an optimiser's step count
         # could take a BatchNorm counter's buffer, and XLA would copy both.)
-        return (*new_bufs, *out_arrays, Static(len(self.outputs) - 1, description))
+        static = Static(len(self.outputs) - 1, description, checks.messages)
+        if code is None:
+            return (*new_bufs, *out_arrays, static)
+        return (*new_bufs, *out_arrays, code, static)

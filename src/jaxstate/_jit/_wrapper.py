@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload, TypeVar
 
+import equinox as eqx
 import jax
 
 from .. import _jax
@@ -41,6 +42,14 @@ def _commit_states(call: Part) -> None:
             _jax.set_holder_buffers(
                 call.holders, [jax.device_put(b, b.sharding) for b in bufs]
             )
+
+
+def _raise_if_failed(static: Any, out: Sequence) -> None:
+    # A failed `jaxstate.extend.error_if`: the state the call returned is the
+    # state it was passed (already put back); raised once the call has run.
+    code = int(out[-2])
+    if code:
+        raise eqx.EquinoxRuntimeError(static.checks[code - 1])
 
 
 class _JitWrapper:
@@ -132,7 +141,10 @@ class _JitWrapper:
         out = program.run([], kept, [], donated, False)
         if program.created:
             self._forget(program, call)
-        return rebuild(program.outputs[out[-1].value], out, 0, call, None, False)
+        static = out[-1]
+        if static.checks is not None:
+            _raise_if_failed(static, out)
+        return rebuild(program.outputs[static.value], out, 0, call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
         """The slow path: each argument's part, the call's, its program."""
@@ -264,6 +276,8 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         static = out[-1]
+        if static.checks is not None:
+            _raise_if_failed(static, out)
         if static.one_array:
             # (A loss: the common case, without `rebuild`'s call.)
             out = out[n]

@@ -11,6 +11,8 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from .. import get_state, set_state, StateIndex
 from ..extend import (
     eager_value,
+    error_if,
+    fails_after_call,
     get_stacked,
     set_rows,
     set_stacked,
@@ -267,6 +269,10 @@ class KVCache(eqx.Module):
         if self.on_overflow == "error":
             # With the guards on, the check lets a call go on (`EQX_ON_ERROR`),
             # maybe with junk (`nan`): the position then falls back on `before`.
+            # Under `jaxstate.jit` the call fails after it has run, putting back
+            # the position but not the buffers: the write must not clamp onto
+            # the last positions, which may be below the position.
+            guard = guard or fails_after_call((self.buffers, self.position))
             start = self._check_fits(start, n_new, fits)
         # As stored: `(num_heads, tokens, size)`.
         keys = keys.astype(all_keys.dtype).transpose(1, 0, 2)
@@ -343,13 +349,16 @@ class KVCache(eqx.Module):
                     f"{which if first else ''}. {fix}"
                 )
             return start
-        # Inside compiled code: when the call runs. `jaxstate.jit` then passes the
-        # state undonated, so a failed call keeps it (docs/kv-cache.md).
-        return eqx.error_if(
+        # Inside compiled code: when the call runs. Under `jaxstate.jit` the call
+        # fails after it has run, with every state it was passed kept as it was;
+        # elsewhere it is `eqx.error_if` (docs/kv-cache.md).
+        return error_if(
             start,
             ~fits,
             f"KVCache.append: the new tokens do not fit in max_len={self.max_len}. "
             + fix,
+            states=(self.buffers, self.position),
+            free=(self.buffers,),
         )
 
     def length(self) -> Int[Array, "*sequences"]:

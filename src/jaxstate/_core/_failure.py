@@ -1,0 +1,162 @@
+"""Checks that fail a `jaxstate.jit` call after it has run, keeping its state.
+
+`eqx.error_if` stops a compiled call with a host callback while it runs, after XLA
+has taken the buffers donated to it: `jaxstate.jit` must then pass that program's
+state undonated, and every state the call updates is copied on every call (a KV
+cache, whole, per token). A check made with `error_if` here instead, inside a
+`jaxstate.jit` trace, sets a code in a reference at the top of the program; the
+program keeps every state it was passed as it was when the code is set (a `where`
+on each new value, which XLA folds into the slice a cache writes), returns the
+code, and the call raises. No callback: the program keeps its state donated.
+See "A check that fails the call" in docs/design.md.
+"""
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import equinox as eqx
+import equinox.internal as eqxi
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _jax
+from ._local import LocalRef
+
+
+class CallChecks:
+    """The checks of one `jaxstate.jit` trace: the first failed one's number (from
+    1, 0 for none) in `code`, and their messages."""
+
+    __slots__ = ("top", "code", "messages", "free")
+
+    def __init__(self, top: Any):
+        self.top = top
+        self.code: LocalRef | None = None
+        self.messages: list[str] = []
+        # The ids of the storages (stand-ins) not put back.
+        self.free: set[int] = set()
+
+
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def checking(top: Any) -> Iterator[CallChecks]:
+    """While a `jaxstate.jit` function is traced (`top`: the trace of its body)."""
+    previous = getattr(_current, "checks", None)
+    _current.checks = checks = CallChecks(top)
+    try:
+        yield checks
+    finally:
+        _current.checks = previous
+
+
+def failure_code(checks: CallChecks) -> Any:
+    """At the end of the trace: the code the program returns, `None` without
+    checks."""
+    return None if checks.code is None else checks.code[...]
+
+
+def _stand_in(index: Any) -> Any:
+    """The stand-in of a `jaxstate.jit` trace that `index` leads to (itself, or
+    the state a slice of `jaxstate.scan`'s is of), or `None` for a state reached
+    by reference."""
+    storage = index._handle.storage
+    while storage is not None and storage.top is None:
+        storage = storage.real
+    return storage
+
+
+def _passed_in(index: Any, top: Any) -> bool:
+    stand_in = _stand_in(index)
+    return stand_in is not None and stand_in.top is top
+
+
+def fails_after_call(states: Sequence[Any] = ()) -> bool:
+    """Whether a failed [`error_if`][jaxstate.extend.error_if] made here, for
+    `states`, would fail the call after it has run (rather than stop it while it
+    runs, as `eqx.error_if` does).
+
+    A layer then writes as if the check had passed, and the call puts back its
+    state; what it excludes with `free` it must keep right itself (a cache guards
+    its write: the tokens that do not fit must not overwrite the last positions).
+
+    **Arguments:**
+
+    - `states`: the indices of the states the check protects.
+
+    **Returns:**
+
+    `True` inside a `jaxstate.jit` trace that was passed every one of `states`,
+    with Equinox's default `EQX_ON_ERROR=raise`; else `False`.
+    """
+    checks = getattr(_current, "checks", None)
+    return (
+        checks is not None
+        # Equinox's switch to let failed checks go on (read when tracing).
+        and os.environ.get("EQX_ON_ERROR", "raise") == "raise"
+        and _jax.building_a_program()
+        and all(_passed_in(index, checks.top) for index in states)
+    )
+
+
+def error_if(
+    x: Any, pred: Any, msg: str, *, states: Sequence[Any] = (), free: Sequence[Any] = ()
+) -> Any:
+    """As `eqx.error_if`, for a check whose failure must leave `states` as they
+    were, made where a layer writes them.
+
+    Inside a `jaxstate.jit` trace that was passed every one of `states` (as the
+    model's arguments pass them), a failed check fails the call *after* it has run:
+    every state the call was passed is put back as it was (but `free`), and the call
+    raises an `eqx.EquinoxRuntimeError` with `msg`. The program has no host
+    callback, so `jaxstate.jit` keeps its state donated and updated in place.
+    Anywhere else (see [`fails_after_call`][jaxstate.extend.fails_after_call]) it
+    is `eqx.error_if`.
+
+    **Arguments:**
+
+    - `x`: returned as it is (as `eqx.error_if` returns it).
+    - `pred`: a boolean array: the check fails where it is `True` (any element,
+        in any member of the vmaps around the call).
+    - `msg`: the error's message.
+    - `states`: the indices whose states the failed call must keep.
+    - `free`: indices among `states` that the call need not put back, because
+        the layer keeps what is read of them right itself. Putting back a large
+        state costs a copy of it on every call (XLA cannot write it in place when
+        the program also reads its new value), where the layer may need to guard
+        only the part it writes: a `KVCache`'s buffers, whose rows past its
+        position (which is put back) are never read.
+
+    **Returns:**
+
+    `x`.
+
+    **Raises:**
+
+    Eagerly, as `eqx.error_if`: an `eqx.EquinoxRuntimeError` if `pred` holds.
+
+    !!! Example
+
+        ```python
+        start = jaxstate.extend.error_if(
+            start, start + n > max_len, "does not fit", states=[self.position]
+        )
+        ```
+    """
+    if not fails_after_call(states):
+        return eqx.error_if(x, pred, msg)
+    checks = _current.checks
+    checks.messages.append(msg)
+    checks.free.update(_stand_in(index).id for index in free)
+    number = np.int32(len(checks.messages))
+    # One flag across the vmaps around the call, the code it shares.
+    failed = eqxi.unvmap_any(jnp.any(pred))
+    if checks.code is None:
+        checks.code = LocalRef(np.int32(0), checks.top)
+    code: Any = checks.code[...]
+    checks.code[...] = jnp.where((code == 0) & failed, number, code)
+    return x

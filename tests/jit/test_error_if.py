@@ -1,0 +1,158 @@
+"""`jaxstate.extend.error_if`: inside a `jaxstate.jit` trace passed the states it
+protects, a failed check fails the call after it has run, every state passed put
+back (but `free`), with no host callback, so the program keeps its state donated;
+anywhere else it is `eqx.error_if`."""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstate
+from jaxstate.extend import error_if, fails_after_call
+from tests.helpers import assert_unchanged, snapshot
+
+
+class Counted(eqx.Module):
+    count: jaxstate.StateIndex
+    total: jaxstate.StateIndex
+    scratch: jaxstate.StateIndex
+
+    def __init__(self):
+        self.count = jaxstate.StateIndex(init=jnp.zeros((), jnp.int32))
+        self.total = jaxstate.StateIndex(init=jnp.zeros(3))
+        self.scratch = jaxstate.StateIndex(init=jnp.zeros(3))
+
+    def __call__(self, x):
+        jaxstate.set_state(self.count, jaxstate.get_state(self.count) + 1)
+        jaxstate.set_state(self.scratch, x)
+        x = error_if(x, x < 0, "x is negative", states=[self.total, self.scratch])
+        jaxstate.set_state(self.total, jaxstate.get_state(self.total) + x)
+        return jnp.sum(x)
+
+
+def _step(m, x):
+    return m(x)
+
+
+def test_a_failed_check_puts_back_every_state_and_raises():
+    model = Counted()
+    step = jaxstate.jit(_step)
+    step(model, jnp.ones(3))
+    before = snapshot(model)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        step(model, jnp.array([1.0, -1.0, 1.0]))
+    # Written before the check and after it, passed or not among `states`.
+    assert_unchanged(model, before)
+    assert float(step(model, jnp.ones(3))) == 3.0
+    assert int(model.count.unsafe_get()) == 2
+    np.testing.assert_array_equal(model.total.unsafe_get(), [2.0, 2.0, 2.0])
+
+
+def test_the_program_has_no_callback_and_keeps_its_state_donated():
+    model = Counted()
+    step = jaxstate.jit(_step)
+    step(model, jnp.ones(3))
+    text = step.lower(model, jnp.ones(3)).as_text()
+    assert "callback" not in text
+    # Every state's buffer is given to XLA to write in place.
+    assert text.count("tf.aliasing_output") == 3
+
+
+def test_free_states_keep_their_new_value():
+    class Free(Counted):
+        def __call__(self, x):
+            jaxstate.set_state(self.count, jaxstate.get_state(self.count) + 1)
+            jaxstate.set_state(self.scratch, x)
+            return error_if(
+                jnp.sum(x),
+                jnp.any(x < 0),
+                "x is negative",
+                states=[self.count, self.scratch],
+                free=[self.scratch],
+            )
+
+    model = Free()
+    step = jaxstate.jit(_step)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        step(model, jnp.array([-1.0, 2.0, 3.0]))
+    assert int(model.count.unsafe_get()) == 0
+    np.testing.assert_array_equal(model.scratch.unsafe_get(), [-1.0, 2.0, 3.0])
+
+
+def test_under_vmap_and_scan_one_failure_fails_the_call():
+    model = Counted()
+
+    @jaxstate.jit
+    def batched(m, xs):
+        return jax.vmap(lambda x: error_if(x, x < 0, "member", states=[m.total]))(xs)
+
+    @jaxstate.jit
+    def scanned(m, xs):
+        def body(_, x):
+            return None, m(x)
+
+        return lax.scan(body, None, xs)[1]
+
+    batched(model, jnp.ones((4, 3)))
+    scanned(model, jnp.ones((2, 3)))
+    before = snapshot(model)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="member"):
+        batched(model, jnp.ones((4, 3)).at[2, 1].set(-1.0))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        scanned(model, jnp.ones((3, 3)).at[2, 0].set(-1.0))
+    assert_unchanged(model, before)
+
+
+def test_the_first_failed_check_is_the_one_raised():
+    @jaxstate.jit
+    def two(x):
+        x = error_if(x, x > 5, "first")
+        return error_if(x, x > 1, "second")
+
+    with pytest.raises(eqx.EquinoxRuntimeError, match="second"):
+        two(jnp.float32(2.0))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="first"):
+        two(jnp.float32(9.0))
+    assert float(two(jnp.float32(0.5))) == 0.5
+
+
+def test_under_an_eager_vmap_of_the_compiled_function():
+    step = jaxstate.jit(lambda x: error_if(x, x < 0, "x is negative"))
+    np.testing.assert_array_equal(jax.vmap(step)(jnp.ones(3)), [1.0, 1.0, 1.0])
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        jax.vmap(step)(jnp.array([1.0, -1.0]))
+
+
+def test_elsewhere_it_is_equinox_error_if():
+    model = Counted()
+    assert not fails_after_call([model.total])
+    # Eagerly: raises at once.
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        model(jnp.array([-1.0, 0.0, 0.0]))
+    # Under `eqx.filter_jit`: Equinox's check, a host callback.
+    step = eqx.filter_jit(_step)
+    assert "callback" in step.lower(model, jnp.ones(3)).as_text()
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        step(model, jnp.array([-1.0, 0.0, 0.0]))
+
+
+def test_a_state_reached_by_reference_gets_equinox_error_if():
+    model = Counted()
+    seen = []
+
+    @jaxstate.jit
+    def closed(x):
+        seen.append(fails_after_call([model.total]))
+        return model(x)
+
+    @jaxstate.jit
+    def passed(m, x):
+        seen.append(fails_after_call([m.total]))
+        return m(x)
+
+    closed(jnp.ones(3))
+    passed(model, jnp.ones(3))
+    assert seen == [False, True]
