@@ -1,7 +1,9 @@
 """`jaxstate.extend.error_if`: inside a `jaxstate.jit` trace passed the states it
-protects, a failed check fails the call after it has run, every state passed put
-back (but `free`), with no host callback, so the program keeps its state donated;
-anywhere else it is `eqx.error_if`."""
+protects (and at least `MIN_STATE_BYTES` of state), a failed check fails the call
+after it has run, every state passed put back (but `free`), with no host callback,
+so the program keeps its state donated; anywhere else it is `eqx.error_if`.
+
+Most tests here lower the threshold to 0, so that small states take that path."""
 
 import equinox as eqx
 import jax
@@ -11,8 +13,15 @@ import numpy as np
 import pytest
 
 import jaxstate
+from jaxstate._core import _failure
 from jaxstate.extend import error_if, fails_after_call
 from tests.helpers import assert_unchanged, snapshot
+
+
+@pytest.fixture(autouse=True)
+def any_size(request, monkeypatch):
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(_failure, "MIN_STATE_BYTES", 0)
 
 
 class Counted(eqx.Module):
@@ -156,3 +165,27 @@ def test_a_state_reached_by_reference_gets_equinox_error_if():
     closed(jnp.ones(3))
     passed(model, jnp.ones(3))
     assert seen == [False, True]
+
+
+def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
+    assert _failure.MIN_STATE_BYTES == 1 << 20
+
+    class Sized(eqx.Module):
+        big: jaxstate.StateIndex
+
+        def __init__(self, n):
+            self.big = jaxstate.StateIndex(init=jnp.zeros(n, jnp.float32))
+
+    @jaxstate.jit
+    def step(m, x):
+        jaxstate.set_state(m.big, jaxstate.get_state(m.big) + x)
+        return error_if(x, x < 0, "x is negative", states=[m.big])
+
+    small, large = Sized(1024), Sized(1 << 18)  # 4 KiB, 1 MiB
+    assert "callback" in step.lower(small, jnp.float32(1.0)).as_text()
+    assert "callback" not in step.lower(large, jnp.float32(1.0)).as_text()
+    for model in (small, large):
+        step(model, jnp.float32(1.0))
+        with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+            step(model, jnp.float32(-1.0))
+        assert float(model.big.unsafe_get()[0]) == 1.0

@@ -288,11 +288,21 @@ def test_overflow_batched_eager_raises_before_writing():
     assert_unchanged(cache, before)
 
 
-def test_overflow_batched_compiled_raises_and_keeps_state():
+@pytest.mark.parametrize("deferred", [False, True])
+def test_overflow_batched_compiled_raises_and_keeps_state(deferred, monkeypatch):
+    # Equinox's check (small state), or the call failed after it has run (from
+    # 1 MiB of state; here forced).
+    from jaxstate._core import _failure
+
+    if deferred:
+        monkeypatch.setattr(_failure, "MIN_STATE_BYTES", 0)
     cache = KVCache(4, 2, 3, batch_size=2)
     step = jaxstate.jit(lambda c, k: jax.vmap(lambda k: c.append(k, k)[2])(k))
     step(cache, jnp.ones((2, 3, 2, 3)))
     before = snapshot(cache)
+    assert ("callback" in step.lower(cache, jnp.ones((2, 1, 2, 3))).as_text()) != (
+        deferred
+    )
     with pytest.raises(Exception, match="do not fit in max_len=4"):
         step(cache, jnp.ones((2, 2, 2, 3)))
     np.testing.assert_array_equal(cache.length(), [3, 3])
@@ -401,6 +411,16 @@ print(attn.cache.length().tolist(), attn.cache.dtype)
 #
 
 
+@pytest.fixture
+def any_size(monkeypatch):
+    # The check fails the call after it has run from 1 MiB of state up: these
+    # caches are smaller.
+    from jaxstate._core import _failure
+
+    monkeypatch.setattr(_failure, "MIN_STATE_BYTES", 0)
+
+
+@pytest.mark.usefixtures("any_size")
 def test_overflow_of_one_cache_puts_back_the_positions_of_all():
     # Two caches out of step: the short one overflows, the long one fits. The
     # call raises; every position is put back, and what the long cache holds below
@@ -421,6 +441,7 @@ def test_overflow_of_one_cache_puts_back_the_positions_of_all():
     assert [int(short.length()), int(long.length())] == [4, 4]
 
 
+@pytest.mark.usefixtures("any_size")
 def test_a_decoding_step_keeps_its_caches_donated():
     # The check is no host callback under `jaxstate.jit`: nothing stops XLA
     # from writing the caches in place (undonated, each would be copied whole on

@@ -26,14 +26,25 @@ from .. import _jax
 from ._local import LocalRef
 
 
+# Below this many bytes of state passed to a program, `error_if` is Equinox's: the
+# copy of the state an undonated call makes costs less than waiting for the call
+# to read its failure code (a program with Equinox's check runs on the calling
+# thread; one without, on XLA's, and the wait costs 15-30 µs on 2 cores). S6c's
+# decoder (64 KB of caches) is 66 µs a token with Equinox's check, 78-97 with this
+# one; 12 layers of GPT-2's size (75 MB) 9.1-9.8 ms against 5.3.
+MIN_STATE_BYTES = 1 << 20
+
+
 class CallChecks:
     """The checks of one `jaxstate.jit` trace: the first failed one's number (from
-    1, 0 for none) in `code`, and their messages."""
+    1, 0 for none) in `code`, and their messages. `defer`: whether the state the
+    trace was passed is large enough for them (`MIN_STATE_BYTES`)."""
 
-    __slots__ = ("top", "code", "messages", "free")
+    __slots__ = ("top", "defer", "code", "messages", "free")
 
-    def __init__(self, top: Any):
+    def __init__(self, top: Any, state_bytes: int):
         self.top = top
+        self.defer = state_bytes >= MIN_STATE_BYTES
         self.code: LocalRef | None = None
         self.messages: list[str] = []
         # The ids of the storages (stand-ins) not put back.
@@ -44,10 +55,11 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def checking(top: Any) -> Iterator[CallChecks]:
-    """While a `jaxstate.jit` function is traced (`top`: the trace of its body)."""
+def checking(top: Any, state_bytes: int) -> Iterator[CallChecks]:
+    """While a `jaxstate.jit` function is traced (`top`: the trace of its body)
+    with `state_bytes` of state passed in."""
     previous = getattr(_current, "checks", None)
-    _current.checks = checks = CallChecks(top)
+    _current.checks = checks = CallChecks(top, state_bytes)
     try:
         yield checks
     finally:
@@ -90,12 +102,14 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
 
     **Returns:**
 
-    `True` inside a `jaxstate.jit` trace that was passed every one of `states`,
-    with Equinox's default `EQX_ON_ERROR=raise`; else `False`.
+    `True` inside a `jaxstate.jit` trace that was passed every one of `states`
+    and at least `MIN_STATE_BYTES` (1 MiB) of state in all, with Equinox's default
+    `EQX_ON_ERROR=raise`; else `False`.
     """
     checks = getattr(_current, "checks", None)
     return (
         checks is not None
+        and checks.defer
         # Equinox's switch to let failed checks go on (read when tracing).
         and os.environ.get("EQX_ON_ERROR", "raise") == "raise"
         and _jax.building_a_program()
@@ -110,7 +124,9 @@ def error_if(
     were, made where a layer writes them.
 
     Inside a `jaxstate.jit` trace that was passed every one of `states` (as the
-    model's arguments pass them), a failed check fails the call *after* it has run:
+    model's arguments pass them), and at least 1 MiB of state in all (below that,
+    the copy an undonated call makes costs less than the wait that this check
+    needs: see docs/design.md), a failed check fails the call *after* it has run:
     every state the call was passed is put back as it was (but `free`), and the call
     raises an `eqx.EquinoxRuntimeError` with `msg`. The program has no host
     callback, so `jaxstate.jit` keeps its state donated and updated in place.

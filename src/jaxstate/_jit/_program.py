@@ -326,7 +326,8 @@ class Program:
             jtu.tree_unflatten(treedef, _rebuild(spec, arrays, handles))
             for treedef, spec in self.key
         ]
-        with passed_in(storages) as closed, checking(top) as checks:
+        state_bytes = sum(b.size * b.dtype.itemsize for b in bufs)
+        with passed_in(storages) as closed, checking(top, state_bytes) as checks:
             try:
                 out = fun(*args, **kwargs)
             except ValueError as e:
