@@ -358,7 +358,10 @@ def test_filter_jit_profile_counts_jaxstate_callbacks_only():
     what = {w: n for w, n, _ in rows}
     assert what[units[("_storage.py", "_flatten")][0]] >= 1
     assert what[units[("_storage.py", "_unflatten")][0]] >= 1
-    assert all(n > 0 and us > 0 for _, n, us in rows)
+    assert all(n > 0 and us >= 0 for _, n, us in rows)
+    # Timed alone. (The flag's unit is its cost beyond a plain field's, a
+    # difference of two timings clamped at 0: on a busy machine it can be 0.)
+    assert all(us > 0 for w, _, us in rows if "Handle" in w or "Key" in w)
 
 
 def test_filter_jit_profile_renders_every_stage():
