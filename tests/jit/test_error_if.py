@@ -168,7 +168,7 @@ def test_a_state_reached_by_reference_gets_equinox_error_if():
 
 
 def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
-    assert _failure.MIN_STATE_BYTES == 1 << 20
+    assert _failure.MIN_STATE_BYTES == 3 << 19
 
     class Sized(eqx.Module):
         big: jaxstate.StateIndex
@@ -181,7 +181,7 @@ def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
         jaxstate.set_state(m.big, jaxstate.get_state(m.big) + x)
         return error_if(x, x < 0, "x is negative", states=[m.big])
 
-    small, large = Sized(1024), Sized(1 << 18)  # 4 KiB, 1 MiB
+    small, large = Sized(1024), Sized(3 << 17)  # 4 KiB, 1.5 MiB
     assert "callback" in step.lower(small, jnp.float32(1.0)).as_text()
     assert "callback" not in step.lower(large, jnp.float32(1.0)).as_text()
     for model in (small, large):

@@ -291,7 +291,7 @@ def test_overflow_batched_eager_raises_before_writing():
 @pytest.mark.parametrize("deferred", [False, True])
 def test_overflow_batched_compiled_raises_and_keeps_state(deferred, monkeypatch):
     # Equinox's check (small state), or the call failed after it has run (from
-    # 1 MiB of state; here forced).
+    # 1.5 MiB of state; here forced).
     from jaxstate._core import _failure
 
     if deferred:
@@ -413,7 +413,7 @@ print(attn.cache.length().tolist(), attn.cache.dtype)
 
 @pytest.fixture
 def any_size(monkeypatch):
-    # The check fails the call after it has run from 1 MiB of state up: these
+    # The check fails the call after it has run from 1.5 MiB of state up: these
     # caches are smaller.
     from jaxstate._core import _failure
 

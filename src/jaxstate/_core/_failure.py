@@ -29,10 +29,10 @@ from ._local import LocalRef
 # Below this many bytes of state passed to a program, `error_if` is Equinox's: the
 # copy of the state an undonated call makes costs less than waiting for the call
 # to read its failure code (a program with Equinox's check runs on the calling
-# thread; one without, on XLA's, and the wait costs 15-30 µs on 2 cores). S6c's
-# decoder (64 KB of caches) is 66 µs a token with Equinox's check, 78-97 with this
-# one; 12 layers of GPT-2's size (75 MB) 9.1-9.8 ms against 5.3.
-MIN_STATE_BYTES = 1 << 20
+# thread; one without, on XLA's, and the wait costs 15-30 µs on 2 cores). Measured
+# on a 2-layer decoder, µs a token, Equinox's check / this one: 64 KB of caches
+# 44 / 70, 1.25 MiB 101 / 120, 1.5 MiB 177 / 119, 4 MiB 784 / 210 (docs/design.md).
+MIN_STATE_BYTES = 3 << 19
 
 
 class CallChecks:
@@ -103,7 +103,7 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
     **Returns:**
 
     `True` inside a `jaxstate.jit` trace that was passed every one of `states`
-    and at least `MIN_STATE_BYTES` (1 MiB) of state in all, with Equinox's default
+    and at least `MIN_STATE_BYTES` (1.5 MiB) of state in all, with Equinox's default
     `EQX_ON_ERROR=raise`; else `False`.
     """
     checks = getattr(_current, "checks", None)
@@ -124,7 +124,7 @@ def error_if(
     were, made where a layer writes them.
 
     Inside a `jaxstate.jit` trace that was passed every one of `states` (as the
-    model's arguments pass them), and at least 1 MiB of state in all (below that,
+    model's arguments pass them), and at least 1.5 MiB of state in all (below that,
     the copy an undonated call makes costs less than the wait that this check
     needs: see docs/design.md), a failed check fails the call *after* it has run:
     every state the call was passed is put back as it was (but `free`), and the call
