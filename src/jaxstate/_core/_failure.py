@@ -28,8 +28,8 @@ from ._local import LocalRef
 
 # Below this many bytes of state passed to a program, `error_if` is Equinox's: the
 # copy of the state an undonated call makes costs less than waiting for the call
-# to read its failure code (a program with Equinox's check runs on the calling
-# thread; one without, on XLA's, and the wait costs 15-30 µs on 2 cores). Measured
+# to read its failure code (15-30 µs on 2 cores; a program with Equinox's check
+# seems to run on the calling thread, judging by its timings). Measured
 # on a 2-layer decoder, µs a token, Equinox's check / this one: 64 KB of caches
 # 44 / 70, 1.25 MiB 101 / 120, 1.5 MiB 177 / 119, 4 MiB 784 / 210 (docs/design.md).
 MIN_STATE_BYTES = 3 << 19
