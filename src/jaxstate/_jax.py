@@ -337,6 +337,12 @@ def ref_class() -> type:
     return _core.Ref
 
 
+def in_shard_map() -> bool:
+    """Whether the current trace is inside a `shard_map` body (its mesh's axes are
+    manual there)."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def is_explicit(sharding: Any) -> bool:
     """Whether an abstract value's sharding is part of its type (a mesh with an
     `Explicit` axis, JAX's sharding in types)."""

@@ -76,6 +76,24 @@ def test_the_current_trace_is_a_config_state_and_eager_calls_run_programs():
     assert out == [(True, True), (True, False), (True, False), (True, False)]
 
 
+def test_in_shard_map_only_inside_a_shard_map_body():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    seen = []
+
+    def body(x):
+        seen.append(_jax.in_shard_map())
+        return jax.vmap(lambda y: (seen.append(_jax.in_shard_map()), y)[1])(x)
+
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones(2))
+    jax.jit(lambda x: (seen.append(_jax.in_shard_map()), jax.vmap(body)(x))[1])(
+        jnp.ones((2, 2))
+    )
+    assert seen == [True, True, False, False, False]
+    assert not _jax.in_shard_map()
+
+
 def test_jit_disabled_reads_the_config():
     assert not _jax.jit_disabled()
     with jax.disable_jit():

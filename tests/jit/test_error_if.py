@@ -189,3 +189,43 @@ def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
         with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
             step(model, jnp.float32(-1.0))
         assert float(model.big.unsafe_get()[0]) == 1.0
+
+
+def test_inside_shard_map_it_is_equinox_error_if():
+    # Inside a `shard_map` body each device has its own values: the program's one
+    # code cannot be set there. (A KV cache appended to by `jaxstate.shard_map`.)
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",))
+    seen = []
+
+    def body(c, k):
+        seen.append(fails_after_call([c.position]))
+        return jax.vmap(lambda k: c.append(k, k)[2])(k)
+
+    cache = jaxstate.nn.KVCache(4, 2, 3, batch_size=2)
+    step = jaxstate.jit(
+        jaxstate.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    )
+    step(cache, jnp.ones((2, 3, 2, 3)))
+    assert seen == [False]
+    assert "callback" in step.lower(cache, jnp.ones((2, 1, 2, 3))).as_text()
+    before = snapshot(cache)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="do not fit in max_len=4"):
+        step(cache, jnp.ones((2, 2, 2, 3)))
+    assert_unchanged(cache, before)
+
+
+def test_a_free_state_reached_by_reference_gets_equinox_error_if():
+    model, other = Counted(), Counted()
+
+    @jaxstate.jit
+    def step(m, x):
+        jaxstate.set_state(other.scratch, x)
+        return error_if(
+            x, x < 0, "x is negative", states=[m.total], free=[other.scratch]
+        )
+
+    assert "callback" in step.lower(model, jnp.ones(3)).as_text()
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
+        step(model, jnp.array([-1.0, 0.0, 0.0]))

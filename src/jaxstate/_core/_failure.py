@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax
-from ._local import LocalRef
+from ._context import resolve
+from ._local import LocalRef, SliceRef
 
 
 # Below this many bytes of state passed to a program, `error_if` is Equinox's: the
@@ -73,11 +74,14 @@ def failure_code(checks: CallChecks) -> Any:
 
 
 def _stand_in(index: Any) -> Any:
-    """The stand-in of a `jaxstate.jit` trace that `index` leads to (itself, or
-    the state a slice of `jaxstate.scan`'s is of), or `None` for a state reached
-    by reference."""
-    storage = index._handle.storage
+    """The stand-in of a `jaxstate.jit` trace that `index` writes to (itself, or
+    the state a slice of `jaxstate.scan`'s is of), or `None`: a state reached by
+    reference, or one that `to_pure` or `jaxstate.shard_map` hands their function
+    as values."""
+    storage = resolve(index._handle)
     while storage is not None and storage.top is None:
+        if storage.refs is None or not all(type(r) is SliceRef for r in storage.refs):
+            return None
         storage = storage.real
     return storage
 
@@ -104,7 +108,8 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
 
     `True` inside a `jaxstate.jit` trace that was passed every one of `states`
     and at least `MIN_STATE_BYTES` (1.5 MiB) of state in all, with Equinox's default
-    `EQX_ON_ERROR=raise`; else `False`.
+    `EQX_ON_ERROR=raise`, outside any `shard_map` body (whose per-device values
+    cannot set the program's one code); else `False`.
     """
     checks = getattr(_current, "checks", None)
     return (
@@ -113,6 +118,7 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
         # Equinox's switch to let failed checks go on (read when tracing).
         and os.environ.get("EQX_ON_ERROR", "raise") == "raise"
         and _jax.building_a_program()
+        and not _jax.in_shard_map()
         and all(_passed_in(index, checks.top) for index in states)
     )
 
@@ -140,7 +146,7 @@ def error_if(
         in any member of the vmaps around the call).
     - `msg`: the error's message.
     - `states`: the indices whose states the failed call must keep.
-    - `free`: indices among `states` that the call need not put back, because
+    - `free`: indices (passed in too) that the call need not put back, because
         the layer keeps what is read of them right itself. Putting back a large
         state costs a copy of it on every call (XLA cannot write it in place when
         the program also reads its new value), where the layer may need to guard
@@ -163,7 +169,7 @@ def error_if(
         )
         ```
     """
-    if not fails_after_call(states):
+    if not fails_after_call([*states, *free]):
         return eqx.error_if(x, pred, msg)
     checks = _current.checks
     checks.messages.append(msg)
