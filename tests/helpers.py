@@ -286,6 +286,14 @@ IN_PLACE = ("state_dict", "save", "tree_serialise_leaves", "orbax")
 #
 
 
+def calls_back_when_run(lowered) -> bool:
+    """Whether a lowered program still calls back to the host once XLA has
+    compiled it: `eqx.error_if`'s check does; the callback that makes a
+    `jaxstate.extend.error_if` program run on the calling thread is in a branch
+    XLA removes."""
+    return "callback" in lowered.compile().as_text()
+
+
 def snapshot(tree) -> dict[str, tuple]:
     """Every entry of `jaxstate.state_dict(tree)` (its states and arrays), in order,
     as `(dtype, shape, bytes)`; PRNG keys by their key data. Two are equal exactly

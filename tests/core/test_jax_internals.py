@@ -94,6 +94,44 @@ def test_in_shard_map_only_inside_a_shard_map_body():
     assert not _jax.in_shard_map()
 
 
+def test_on_calling_thread_leaves_a_record_of_a_callback_and_no_callback():
+    f = jax.jit(lambda x: _jax.on_calling_thread(x * 2))
+    assert int(f(jnp.int32(3))) == 6
+    compiled = f.lower(jnp.int32(3)).compile()
+    # What makes jaxlib run the program on the calling thread on the CPU ...
+    assert compiled._executable.unsafe_call.has_host_callbacks
+    # ... with nothing of the callback left in the program.
+    text = compiled.as_text()
+    assert "custom-call" not in text and "conditional" not in text
+
+
+def test_in_while_loop_in_its_body_and_condition_only():
+    seen = []
+    probe = lambda tag: seen.append((tag, _jax.in_while_loop()))
+
+    def f(n):
+        lax.while_loop(
+            lambda c: (probe("cond"), c[0] < n)[1],
+            lambda c: (probe("body"), jax.vmap(lambda x: (probe("vmap"), x)[1])(c))[1],
+            jnp.zeros(1),
+        )
+        # Traced bounds: still a count known when the loop starts.
+        lax.fori_loop(0, n, lambda i, c: (probe("fori"), c)[1], 0.0)
+        lax.scan(lambda c, x: (probe("scan"), (c, x))[1], 0.0, jnp.ones(2))
+        probe("after")
+        return n
+
+    jax.jit(f)(3)
+    assert seen == [
+        ("cond", True),
+        ("body", True),
+        ("vmap", True),
+        ("fori", False),
+        ("scan", False),
+        ("after", False),
+    ]
+
+
 def test_jit_disabled_reads_the_config():
     assert not _jax.jit_disabled()
     with jax.disable_jit():

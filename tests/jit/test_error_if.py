@@ -15,7 +15,7 @@ import pytest
 import jaxstate
 from jaxstate._core import _failure
 from jaxstate.extend import error_if, fails_after_call
-from tests.helpers import assert_unchanged, snapshot
+from tests.helpers import assert_unchanged, calls_back_when_run, snapshot
 
 
 @pytest.fixture(autouse=True)
@@ -64,10 +64,13 @@ def test_the_program_has_no_callback_and_keeps_its_state_donated():
     model = Counted()
     step = jaxstate.jit(_step)
     step(model, jnp.ones(3))
-    text = step.lower(model, jnp.ones(3)).as_text()
-    assert "callback" not in text
+    lowered = step.lower(model, jnp.ones(3))
     # Every state's buffer is given to XLA to write in place.
-    assert text.count("tf.aliasing_output") == 3
+    assert lowered.as_text().count("tf.aliasing_output") == 3
+    # The one callback (which makes the CPU run the call on the calling thread)
+    # is in a branch never taken, which XLA removes.
+    compiled = lowered.compile().as_text()
+    assert "custom-call" not in compiled and "conditional" not in compiled
 
 
 def test_free_states_keep_their_new_value():
@@ -182,8 +185,8 @@ def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
         return error_if(x, x < 0, "x is negative", states=[m.big])
 
     small, large = Sized(1024), Sized(3 << 17)  # 4 KiB, 1.5 MiB
-    assert "callback" in step.lower(small, jnp.float32(1.0)).as_text()
-    assert "callback" not in step.lower(large, jnp.float32(1.0)).as_text()
+    assert calls_back_when_run(step.lower(small, jnp.float32(1.0)))
+    assert not calls_back_when_run(step.lower(large, jnp.float32(1.0)))
     for model in (small, large):
         step(model, jnp.float32(1.0))
         with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
@@ -209,7 +212,7 @@ def test_inside_shard_map_it_is_equinox_error_if():
     )
     step(cache, jnp.ones((2, 3, 2, 3)))
     assert seen == [False]
-    assert "callback" in step.lower(cache, jnp.ones((2, 1, 2, 3))).as_text()
+    assert calls_back_when_run(step.lower(cache, jnp.ones((2, 1, 2, 3))))
     before = snapshot(cache)
     with pytest.raises(eqx.EquinoxRuntimeError, match="do not fit in max_len=4"):
         step(cache, jnp.ones((2, 2, 2, 3)))
@@ -226,6 +229,38 @@ def test_a_free_state_reached_by_reference_gets_equinox_error_if():
             x, x < 0, "x is negative", states=[m.total], free=[other.scratch]
         )
 
-    assert "callback" in step.lower(model, jnp.ones(3)).as_text()
+    assert calls_back_when_run(step.lower(model, jnp.ones(3)))
     with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
         step(model, jnp.array([-1.0, 0.0, 0.0]))
+
+
+def test_a_check_inside_a_while_loop_stops_the_loop():
+    # Filled two tokens at a time until full: the third append does not fit. A
+    # check that let the loop go on would leave the position where it was (the
+    # guarded write stores nothing), and the loop would run until its cap (here
+    # 50 rounds; without one, for ever).
+    cache = jaxstate.nn.KVCache(5, 1, 2)
+    seen, rounds = [], []
+
+    @jaxstate.jit
+    def fill(cache):
+        seen.append(fails_after_call([cache.buffers, cache.position]))
+
+        def body(i):
+            seen.append(fails_after_call([cache.buffers, cache.position]))
+            cache.append(jnp.ones((2, 1, 2)), jnp.ones((2, 1, 2)))
+            jax.debug.callback(lambda: rounds.append(1))
+            return i + 1
+
+        return jaxstate.while_loop(
+            lambda i: (cache.length() < 5) & (i < 50), body, jnp.int32(0)
+        )
+
+    before = snapshot(cache)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="do not fit"):
+        fill(cache)
+    # Outside the loop the call could fail after it has run; inside, Equinox's
+    # check stops it in its third round.
+    assert seen == [True, False]
+    assert len(rounds) <= 3
+    assert_unchanged(cache, before)

@@ -27,12 +27,12 @@ from ._context import resolve
 from ._local import LocalRef, SliceRef
 
 
-# Below this many bytes of state passed to a program, `error_if` is Equinox's: the
-# copy of the state an undonated call makes costs less than waiting for the call
-# to read its failure code (15-30 µs on 2 cores; a program with Equinox's check
-# seems to run on the calling thread, judging by its timings). Measured
-# on a 2-layer decoder, µs a token, Equinox's check / this one: 64 KB of caches
-# 44 / 70, 1.25 MiB 101 / 120, 1.5 MiB 177 / 119, 4 MiB 784 / 210 (docs/design.md).
+# Below this many bytes of state passed to a program, `error_if` is Equinox's. The
+# put-back is quicker per call at every size measured (64 KB of caches: 35 µs a
+# token against 46), but its guards compile slower (a kernel per cache buffer):
+# on 12 layers of 64 KB caches, 0.22 s more for the first call, which later
+# tokens pay back after about 3,900. From 1.5 MiB a token saves over 85 µs. See
+# "A check that fails the call" in docs/design.md.
 MIN_STATE_BYTES = 3 << 19
 
 
@@ -109,7 +109,9 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
     `True` inside a `jaxstate.jit` trace that was passed every one of `states`
     and at least `MIN_STATE_BYTES` (1.5 MiB) of state in all, with Equinox's default
     `EQX_ON_ERROR=raise`, outside any `shard_map` body (whose per-device values
-    cannot set the program's one code); else `False`.
+    cannot set the program's one code) and any `while_loop` body or condition (a
+    failed check must stop the loop, which might otherwise never end); else
+    `False`.
     """
     checks = getattr(_current, "checks", None)
     return (
@@ -119,6 +121,8 @@ def fails_after_call(states: Sequence[Any] = ()) -> bool:
         and os.environ.get("EQX_ON_ERROR", "raise") == "raise"
         and _jax.building_a_program()
         and not _jax.in_shard_map()
+        # A loop that runs until the cache is full would never end.
+        and not _jax.in_while_loop()
         and all(_passed_in(index, checks.top) for index in states)
     )
 
@@ -131,11 +135,12 @@ def error_if(
 
     Inside a `jaxstate.jit` trace that was passed every one of `states` (as the
     model's arguments pass them), and at least 1.5 MiB of state in all (below that,
-    the copy an undonated call makes costs less than the wait that this check
-    needs: see docs/design.md), a failed check fails the call *after* it has run:
-    every state the call was passed is put back as it was (but `free`), and the call
-    raises an `eqx.EquinoxRuntimeError` with `msg`. The program has no host
-    callback, so `jaxstate.jit` keeps its state donated and updated in place.
+    the copy an undonated call makes costs less than the longer compile this check
+    needs: see docs/design.md), outside any `while_loop`, a failed check fails the
+    call *after* it has run: every state the call was passed is put back as it was
+    (but `free`), and the call raises an `eqx.EquinoxRuntimeError` with `msg`. The
+    program calls back to no host, so `jaxstate.jit` keeps its state donated and
+    updated in place.
     Anywhere else (see [`fails_after_call`][jaxstate.extend.fails_after_call]) it
     is `eqx.error_if`.
 

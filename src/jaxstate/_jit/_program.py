@@ -363,6 +363,9 @@ class Program:
         # layer keeps right itself), and the call raises once it has run.
         code = failure_code(checks)
         if code is not None:
+            # The call waits for its code: run it on the calling thread.
+            # (Added after `_calls_back` looked: this callback never runs.)
+            code = _jax.on_calling_thread(code)
             new_bufs = [
                 new if owner in checks.free else jnp.where(code != 0, old, new)
                 for old, new, owner in zip(bufs, new_bufs, owners, strict=True)

@@ -10,6 +10,7 @@ from typing import Any, Literal, overload, TypeVar
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from .. import _jax
 from .._core._context import ReachedByClosure
@@ -47,7 +48,8 @@ def _commit_states(call: Part) -> None:
 def _raise_if_failed(static: Any, out: Sequence) -> None:
     # A failed `jaxstate.extend.error_if`: the state the call returned is the
     # state it was passed (already put back); raised once the call has run.
-    code = int(out[-2])
+    # (Through NumPy: `int` of a JAX array costs about 10 µs more on 2 cores.)
+    code = int(np.asarray(out[-2]))
     if code:
         raise eqx.EquinoxRuntimeError(static.checks[code - 1])
 
