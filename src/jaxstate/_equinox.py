@@ -9,7 +9,7 @@ quiet while doing so, and it drops its cached programs on `eqx.clear_caches()`.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import equinox as eqx
 from equinox import _caches, _jit
@@ -64,3 +64,9 @@ def runtime_error(error: Exception, jit_id: bytes) -> eqx.EquinoxRuntimeError | 
             break
     text = _jit._on_error_msg.format(msg=message, stack="".join(reversed(pieces)))
     return eqx.EquinoxRuntimeError(text)
+
+
+def error_text(message: str, stack: Sequence[str]) -> str:
+    """An `eqx.EquinoxRuntimeError`'s text, as Equinox writes it, for a check made
+    inside the frames `stack` (formatted, innermost first)."""
+    return _jit._on_error_msg.format(msg=message, stack="".join(reversed(stack)))

@@ -17,6 +17,7 @@ import itertools
 import operator
 import sys
 import threading
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -474,6 +475,57 @@ def default_device() -> Any:
     """The device `jax.default_device(...)` (or `jax_default_device`) sets for this
     thread, or `None`."""
     return _config.default_device.value
+
+
+# Whether JAX's tracebacks show a file's frames, by file and number of excluded
+# paths (JAX's check compares paths on disk, about 40 of them: a millisecond a
+# frame).
+_shown_files: dict[tuple[str, int], bool] = {}
+
+
+def _shown(filename: str) -> bool:
+    key = (filename, len(_traceback._exclude_paths))
+    shown = _shown_files.get(key)
+    if shown is None:
+        shown = _shown_files[key] = _traceback.include_filename(filename)
+    return shown
+
+
+def frames_inside(stop: Any) -> list[traceback.FrameSummary]:
+    """The frames from the caller's out to the frame `stop` (not included), those
+    JAX's tracebacks show, innermost first: the stack inside a compiled function
+    that `eqx.error_if` shows. Their lines are read when formatted (see
+    `format_frames`), not now, and the frames themselves are not kept."""
+    summaries = []
+    for frame, lineno in traceback.walk_stack(sys._getframe(1)):
+        if frame is stop:
+            break
+        code = frame.f_code
+        if _shown(code.co_filename):
+            # (Where in the line the call is, for the carets under it.)
+            positions = next(
+                itertools.islice(code.co_positions(), frame.f_lasti // 2, None)
+            )
+            summaries.append(
+                traceback.FrameSummary(
+                    code.co_filename,
+                    lineno,
+                    code.co_name,
+                    lookup_line=False,
+                    end_lineno=positions[1],
+                    colno=positions[2],
+                    end_colno=positions[3],
+                )
+            )
+    return summaries
+
+
+def format_frames(summaries: list[traceback.FrameSummary]) -> list[str]:
+    """Each of `frames_inside`'s frames as a traceback shows it."""
+    return [
+        "".join(traceback.StackSummary.from_list([summary]).format())
+        for summary in summaries
+    ]
 
 
 def hide_frames_of(path: str) -> None:

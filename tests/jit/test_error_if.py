@@ -264,3 +264,21 @@ def test_a_check_inside_a_while_loop_stops_the_loop():
     assert seen == [True, False]
     assert len(rounds) <= 3
     assert_unchanged(cache, before)
+
+
+def test_the_error_shows_where_the_check_was_made_as_equinox_does():
+    model = Counted()
+    step = jaxstate.jit(_step)
+    step(model, jnp.ones(3))
+    with pytest.raises(eqx.EquinoxRuntimeError) as failed:
+        step(model, -jnp.ones(3))
+    text = str(failed.value)
+    # Equinox's text (`eqx.filter_jit`'s for a failed `eqx.error_if`) ...
+    assert text.startswith("Above is the stack outside of JIT. Below is the stack")
+    assert "equinox.EquinoxRuntimeError: x is negative" in text
+    # ... with the frames of the compiled function, outermost first, and no more.
+    inside = text.split("inside of JIT:")[1].split("equinox.EquinoxRuntimeError")[0]
+    assert "in _step" in inside and "return m(x)" in inside
+    assert inside.index("in _step") < inside.index("in __call__")
+    assert "x = error_if(x, x < 0" in inside
+    assert "test_the_error_shows" not in inside and "_failure.py" not in inside

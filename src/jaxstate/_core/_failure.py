@@ -12,9 +12,10 @@ See "A check that fails the call" in docs/design.md.
 """
 
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -22,7 +23,7 @@ import equinox.internal as eqxi
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _jax
+from .. import _equinox, _jax
 from ._context import resolve
 from ._local import LocalRef, SliceRef
 
@@ -38,16 +39,20 @@ MIN_STATE_BYTES = 3 << 19
 
 class CallChecks:
     """The checks of one `jaxstate.jit` trace: the first failed one's number (from
-    1, 0 for none) in `code`, and their messages. `defer`: whether the state the
-    trace was passed is large enough for them (`MIN_STATE_BYTES`)."""
+    1, 0 for none) in `code`, their messages and the frames each was made in.
+    `defer`: whether the state the trace was passed is large enough for them
+    (`MIN_STATE_BYTES`)."""
 
-    __slots__ = ("top", "defer", "code", "messages", "free")
+    __slots__ = ("top", "frame", "defer", "code", "messages", "stacks", "free")
 
-    def __init__(self, top: Any, state_bytes: int):
+    def __init__(self, top: Any, frame: Any, state_bytes: int):
         self.top = top
+        # The frame tracing the function: the stack a check shows ends there.
+        self.frame = frame
         self.defer = state_bytes >= MIN_STATE_BYTES
         self.code: LocalRef | None = None
         self.messages: list[str] = []
+        self.stacks: list[Callable[[], list[str]]] = []
         # The ids of the storages (stand-ins) not put back.
         self.free: set[int] = set()
 
@@ -56,21 +61,33 @@ _current = threading.local()
 
 
 @contextlib.contextmanager
-def checking(top: Any, state_bytes: int) -> Iterator[CallChecks]:
-    """While a `jaxstate.jit` function is traced (`top`: the trace of its body)
-    with `state_bytes` of state passed in."""
+def checking(top: Any, frame: Any, state_bytes: int) -> Iterator[CallChecks]:
+    """While a `jaxstate.jit` function is traced (`top`: the trace of its body,
+    `frame`: the Python frame tracing it) with `state_bytes` of state passed in."""
     previous = getattr(_current, "checks", None)
-    _current.checks = checks = CallChecks(top, state_bytes)
+    _current.checks = checks = CallChecks(top, frame, state_bytes)
     try:
         yield checks
     finally:
         _current.checks = previous
+        # (The frame holds `checks`: no cycle to outlive the trace.)
+        checks.frame = None
 
 
 def failure_code(checks: CallChecks) -> Any:
     """At the end of the trace: the code the program returns, `None` without
     checks."""
-    return None if checks.code is None else checks.code[...]
+    if checks.code is None:
+        return None
+    # The call waits for its code: run it on the calling thread.
+    return _jax.on_calling_thread(checks.code[...])
+
+
+def failure_text(checks: tuple, code: int) -> str:
+    """The error's text for the failed check number `code` (from 1) of a program
+    whose checks were `checks` (as `Static.checks` keeps them)."""
+    message, stack = checks[code - 1]
+    return _equinox.error_text(message, stack())
 
 
 def _stand_in(index: Any) -> Any:
@@ -178,6 +195,9 @@ def error_if(
         return eqx.error_if(x, pred, msg)
     checks = _current.checks
     checks.messages.append(msg)
+    # (Read and formatted only if the check fails.)
+    frames = _jax.frames_inside(checks.frame)
+    checks.stacks.append(functools.partial(_jax.format_frames, frames))
     checks.free.update(_stand_in(index).id for index in free)
     number = np.int32(len(checks.messages))
     # One flag across the vmaps around the call, the code it shares.

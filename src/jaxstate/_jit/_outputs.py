@@ -2,7 +2,7 @@
 time), and how each call rebuilds it. See README.md beside this file.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -241,12 +241,17 @@ class Static:
     program's function. The description itself may hold indices of static fields
     (whose states then could never be freed), so only this number goes there, and
     whether the output is one array (a loss: returned without `rebuild`). With
-    `checks` (the messages of `jaxstate.extend.error_if`), the output before it is
-    the number of the one that failed, or 0."""
+    `checks` (the message and stack of each `jaxstate.extend.error_if` the program
+    puts back), the output before it is the number of the one that failed, or 0."""
 
     __slots__ = ("value", "one_array", "checks")
 
-    def __init__(self, value: int, description: "Description", checks: list[str]):
+    def __init__(
+        self,
+        value: int,
+        description: "Description",
+        checks: list[tuple[str, Callable[[], list[str]]]],
+    ):
         self.value = value
         is_tuple, described = description
         self.one_array = not is_tuple and described[0].is_leaf

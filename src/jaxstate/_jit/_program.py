@@ -327,7 +327,10 @@ class Program:
             for treedef, spec in self.key
         ]
         state_bytes = sum(b.size * b.dtype.itemsize for b in bufs)
-        with passed_in(storages) as closed, checking(top, state_bytes) as checks:
+        with (
+            passed_in(storages) as closed,
+            checking(top, sys._getframe(), state_bytes) as checks,
+        ):
             try:
                 out = fun(*args, **kwargs)
             except ValueError as e:
@@ -361,11 +364,9 @@ class Program:
             ]
         # A failed `jaxstate.extend.error_if`: the state is put back (but what the
         # layer keeps right itself), and the call raises once it has run.
+        # (Its callback, added after `_calls_back` looked, never runs.)
         code = failure_code(checks)
         if code is not None:
-            # The call waits for its code: run it on the calling thread.
-            # (Added after `_calls_back` looked: this callback never runs.)
-            code = _jax.on_calling_thread(code)
             new_bufs = [
                 new if owner in checks.free else jnp.where(code != 0, old, new)
                 for old, new, owner in zip(bufs, new_bufs, owners, strict=True)
@@ -378,7 +379,8 @@ class Program:
         # of its type, in order, so the state's buffers (donated first) are each
         # reused for that state's own new value. (Else an optimiser's step count
         # could take a BatchNorm counter's buffer, and XLA would copy both.)
-        static = Static(len(self.outputs) - 1, description, checks.messages)
+        put_back = list(zip(checks.messages, checks.stacks, strict=True))
+        static = Static(len(self.outputs) - 1, description, put_back)
         if code is None:
             return (*new_bufs, *out_arrays, static)
         return (*new_bufs, *out_arrays, code, static)

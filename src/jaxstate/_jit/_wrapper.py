@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _jax
 from .._core._context import ReachedByClosure
+from .._core._failure import failure_text
 from .._core._lock import give, take
 from ._cache import programs_for
 from ._memo import Memo
@@ -51,7 +52,7 @@ def _raise_if_failed(static: Any, out: Sequence) -> None:
     # (Through NumPy: `int` of a JAX array costs about 10 µs more on 2 cores.)
     code = int(np.asarray(out[-2]))
     if code:
-        raise eqx.EquinoxRuntimeError(static.checks[code - 1])
+        raise eqx.EquinoxRuntimeError(failure_text(static.checks, code))
 
 
 class _JitWrapper:
