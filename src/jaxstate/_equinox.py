@@ -62,8 +62,7 @@ def runtime_error(error: Exception, jit_id: bytes) -> eqx.EquinoxRuntimeError | 
             pieces.append(item)
         elif item == jit_id:
             break
-    text = _jit._on_error_msg.format(msg=message, stack="".join(reversed(pieces)))
-    return eqx.EquinoxRuntimeError(text)
+    return eqx.EquinoxRuntimeError(error_text(message, pieces))
 
 
 def error_text(message: str, stack: Sequence[str]) -> str:

@@ -345,7 +345,7 @@ def on_calling_thread(x: Any) -> Any:
     For a call that is waited for anyway, that saves the handoff (15-60 µs on 2
     cores). The branch is never taken, and XLA removes it with its callback (the
     predicate is a constant): what stays is jaxlib's record that the program has
-    one. Not `jax.default_backend() == "cpu"`: `x` as it is."""
+    one. On other backends: `x` as it is."""
     if jax.default_backend() != "cpu":
         return x
 

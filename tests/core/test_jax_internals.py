@@ -6,6 +6,7 @@ tests fail in harder-to-read ways. See docs/design.md, "JAX's internals"."""
 
 import contextlib
 import logging
+import sys
 
 import equinox as eqx
 import jax
@@ -103,6 +104,30 @@ def test_on_calling_thread_leaves_a_record_of_a_callback_and_no_callback():
     # ... with nothing of the callback left in the program.
     text = compiled.as_text()
     assert "custom-call" not in text and "conditional" not in text
+
+
+def test_frames_inside_stop_at_a_frame_and_leave_out_jax_frames():
+    def outer():
+        stop = sys._getframe()
+        return middle(stop)
+
+    def middle(stop):
+        # Through JAX's own frames (left out, as in JAX's tracebacks).
+        return jax.jit(lambda x: (found.append(inner(stop)), x)[1])(1.0)
+
+    def inner(stop):
+        return _jax.format_frames(_jax.frames_inside(stop))
+
+    found = []
+    outer()
+    (frames,) = found
+    # Innermost first, from the caller of `frames_inside`, up to `stop`.
+    assert [f.splitlines()[0].split(", in ")[1] for f in frames] == [
+        "inner",
+        "<lambda>",
+        "middle",
+    ]
+    assert "return jax.jit(lambda x:" in frames[2]
 
 
 def test_in_while_loop_in_its_body_and_condition_only():
