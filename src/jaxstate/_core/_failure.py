@@ -39,11 +39,12 @@ MIN_STATE_BYTES = 3 << 19
 
 class CallChecks:
     """The checks of one `jaxstate.jit` trace: the first failed one's number (from
-    1, 0 for none) in `code`, their messages and the frames each was made in.
+    1, 0 for none) in `code`, and each one's message and the frames it was made
+    in (formatted when called).
     `defer`: whether the state the trace was passed is large enough for them
     (`MIN_STATE_BYTES`)."""
 
-    __slots__ = ("top", "frame", "defer", "code", "messages", "stacks", "free")
+    __slots__ = ("top", "frame", "defer", "code", "failures", "free")
 
     def __init__(self, top: Any, frame: Any, state_bytes: int):
         self.top = top
@@ -51,8 +52,7 @@ class CallChecks:
         self.frame = frame
         self.defer = state_bytes >= MIN_STATE_BYTES
         self.code: LocalRef | None = None
-        self.messages: list[str] = []
-        self.stacks: list[Callable[[], list[str]]] = []
+        self.failures: list[tuple[str, Callable[[], list[str]]]] = []
         # The ids of the storages (stand-ins) not put back.
         self.free: set[int] = set()
 
@@ -194,12 +194,11 @@ def error_if(
     if not fails_after_call([*states, *free]):
         return eqx.error_if(x, pred, msg)
     checks = _current.checks
-    checks.messages.append(msg)
-    # (Read and formatted only if the check fails.)
+    # (The frames' lines are read and formatted only if the check fails.)
     frames = _jax.frames_inside(checks.frame)
-    checks.stacks.append(functools.partial(_jax.format_frames, frames))
+    checks.failures.append((msg, functools.partial(_jax.format_frames, frames)))
     checks.free.update(_stand_in(index).id for index in free)
-    number = np.int32(len(checks.messages))
+    number = np.int32(len(checks.failures))
     # One flag across the vmaps around the call, the code it shares.
     failed = eqxi.unvmap_any(jnp.any(pred))
     if checks.code is None:

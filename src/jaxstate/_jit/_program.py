@@ -379,8 +379,7 @@ class Program:
         # of its type, in order, so the state's buffers (donated first) are each
         # reused for that state's own new value. (Else an optimiser's step count
         # could take a BatchNorm counter's buffer, and XLA would copy both.)
-        put_back = list(zip(checks.messages, checks.stacks, strict=True))
-        static = Static(len(self.outputs) - 1, description, put_back)
+        static = Static(len(self.outputs) - 1, description, checks.failures)
         if code is None:
             return (*new_bufs, *out_arrays, static)
         return (*new_bufs, *out_arrays, code, static)
