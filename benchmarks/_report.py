@@ -202,8 +202,9 @@ def _profile(profile: dict, results: dict[str, ScenarioResult]) -> list[str]:
         + "; ".join(f"`{m}`" for m in profile["missed"])
         + ".",
         "",
-        "A call taking `jaxstate.jit`'s fast path (`_JitWrapper.__call__` and "
-        "`execute` in src/jaxstate/_jit/_wrapper.py) is run with clocks around "
+        "A call taking `jaxstate.jit`'s fast path (`_JitWrapper.__call__` and the "
+        "layout's generated fast call, src/jaxstate/_jit/_fast.py) is run with "
+        "clocks around "
         "each stage of the real call path (its functions wrapped); that call, the "
         "same call without clocks and the hand-threaded step are timed in the same "
         "interleaved rounds (host µs per call: many calls, then one wait; the best "
@@ -333,14 +334,14 @@ def _advice(key: str, b, results: dict[str, ScenarioResult]) -> list[str]:
         )
         + ".",
     ]
-    freed = p[P.MATCH]
+    freed = p[P.REST]
     if freed > max(2.0, 0.25 * p[P.REBUILD]):
         lines.append(
-            f"{freed:.1f} µs go to `Memo.match`: the memo holds a tuple argument "
-            "(an optax state) until the next call has matched, so the previous "
-            "step's copy is freed there, about 1.5 µs per array on this machine. "
-            "A hand-threaded step frees its previous state too, when the caller "
-            "replaces it: the cost moves, it is not added."
+            f"{freed:.1f} µs go to the rest, where the arguments are matched: the "
+            "memo holds a tuple argument (an optax state) until the next call has "
+            "matched, so the previous step's copy is freed there, about 1.5 µs per "
+            "array on this machine. A hand-threaded step frees its previous state "
+            "too, when the caller replaces it: the cost moves, it is not added."
         )
     modules = b.counts.get(P.N_OUT_MODULES, 0)
     if modules:

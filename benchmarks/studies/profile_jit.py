@@ -1,22 +1,21 @@
 """Where the time of one `jaxstate.jit` call goes.
 
 `breakdown` runs a step that takes `jaxstate.jit`'s fast path (the arguments match
-the last call by identity: `Memo.match` in src/jaxstate/_jit/_memo.py) with clocks
-around each stage of the real call path (`_JitWrapper.__call__` and `execute` in
-src/jaxstate/_jit/_wrapper.py): the stages' functions are wrapped, so there is no
-copy of the path to drift from it.
+the last call by identity, and the layout has its generated fast call:
+src/jaxstate/_jit/_fast.py) with clocks around each stage of the real call path:
+the stages' functions are wrapped (in the fast call's own namespace where it binds
+them), so there is no copy of the path to drift from it.
 
-- matching the arguments against the last call (`Memo.match`);
 - checking the states out, with Ctrl-C deferred (`_lock.take`), and back in
   (`_lock.give`);
 - the compiled call itself (JAX's C++ dispatch of a flat list of arrays, and the
   static output node's Python callback);
 - rebuilding the outputs (`_outputs.rebuild`: the returned modules unflattened
   around the output arrays and remembered for the next call);
-- the rest, inlined in `__call__` and `execute` (the eager check, the donation
-  split, reading the state buffers and writing the new ones back, and the call's
-  end, `Memo.next_call`):
-  the whole call with clocks less the stages above.
+- the rest, the fast call around those stages and `__call__` (the eager check,
+  matching the arguments with the last call's, and so freeing what only the last
+  call's memo entries held, reading the state buffers and writing the new ones
+  back, the call's end): the whole call with clocks less the stages above.
 
 The call with clocks, the same call without them and the hand-threaded step are
 timed in the same interleaved rounds (host µs per call: many calls, then one wait;
@@ -45,19 +44,17 @@ import jaxstate
 
 
 # The stages of a call, in order (keys of `Breakdown.pieces`).
-MATCH = (
-    "match the arguments with the last call's (`Memo.match`), and so free what "
-    "only the last call's memo entries still held (an optax state's arrays)"
-)
 TAKE = "check the states out, Ctrl-C deferred (`_lock.take`)"
 PROGRAM = "the compiled call (JAX's C++ dispatch; a flat list in and out)"
 GIVE = "check the states back in (`_lock.give`)"
 REBUILD = "rebuild the outputs (`_outputs.rebuild`)"
 REST = (
-    "the rest (inlined: the eager check, the donation split, the state buffers "
-    "read and written back; the call's end, `Memo.next_call`)"
+    "the rest: the layout's generated fast call and `__call__` (the eager check; "
+    "matching the arguments with the last call's, and so freeing what only the "
+    "last call's memo entries held, an optax state's arrays; the state buffers "
+    "read and written back; the call's end)"
 )
-STAGES = (MATCH, TAKE, PROGRAM, GIVE, REBUILD, REST)
+STAGES = (TAKE, PROGRAM, GIVE, REBUILD, REST)
 # Other keys of `Breakdown.pieces`.
 UNFLATTEN = "the output `tree_unflatten` alone (Equinox's and JAX's code)"
 COPY = "jaxstate.jit, the whole call with clocks around its stages"
@@ -122,15 +119,25 @@ def breakdown(
 
 def _clocks(wrapper, program) -> "_Clocks":
     """Clocks around every stage of `wrapper`'s calls (see the module docstring)."""
-    from jaxstate._jit import _wrapper as W
+    from jaxstate._jit import _fast, _wrapper as W
 
+    fast = wrapper.memo.fast
+    if fast is _fast.never:
+        raise RuntimeError("the step has no fast call of its own")
     clocks = _Clocks()
-    clocks.add(wrapper.memo, "match", MATCH)
-    clocks.add(W, "take", TAKE)
+    clocks.add(_Names(fast.__globals__), "_take", TAKE)
     clocks.add(program, "jitted", PROGRAM)
-    clocks.add(W, "give", GIVE)
+    clocks.add(_Names(fast.__globals__), "_give", GIVE)
     clocks.add(W, "rebuild", REBUILD)
     return clocks
+
+
+class _Names:
+    """A namespace (a generated function's globals) as an object with attributes,
+    for `_Clocks.add`."""
+
+    def __init__(self, names: dict):
+        object.__setattr__(self, "__dict__", names)
 
 
 def _warm(fun: Callable, args: tuple, next_args: Callable):
@@ -156,7 +163,7 @@ def _breakdown(fun, args, next_args, calls, baseline_call, rounds) -> Breakdown:
     matched = memo.match(state["args"])
     if last is None or matched is None:
         raise RuntimeError("the step does not take jaxstate.jit's fast path")
-    arrays, call = matched
+    arrays, call = matched[:2]
     counts = {N_ARRAYS: len(arrays), N_BUFS: len(call.holders)}
     program = last.program
     # What one call returns, to time its unflatten alone.

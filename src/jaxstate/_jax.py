@@ -271,7 +271,11 @@ def buffer_holder(ref: Any) -> Any:
     return ref._refs
 
 
-get_buf = operator.attrgetter("_buf")
+BUF = "_buf"
+"""The attribute of a holder that holds its buffer (`jaxstate.jit`'s generated fast
+calls read and write it by name)."""
+
+get_buf = operator.attrgetter(BUF)
 """A holder's buffer (for `map`, on `jaxstate.jit`'s fast path)."""
 
 
@@ -286,7 +290,7 @@ def set_holder_buffers(holders: list, bufs: list) -> None:
     any(map(setattr, holders, BUF_NAMES, bufs))
 
 
-BUF_NAMES = itertools.repeat("_buf")
+BUF_NAMES = itertools.repeat(BUF)
 """The attribute of each holder that `set_holder_buffers` sets: with
 `any(map(setattr, holders, BUF_NAMES, bufs))`, the same loop without its check,
 on `jaxstate.jit`'s fast path."""

@@ -1,5 +1,6 @@
-"""`jaxstate.jit`'s fast path (`Memo.match` in src/jaxstate/_jit/_memo.py): a call whose
-arguments match the last call's by identity reuses its compiled function and
+"""`jaxstate.jit`'s fast path (`Memo.match` in src/jaxstate/_jit/_memo.py, and once a
+layout has matched twice its generated fast call, src/jaxstate/_jit/_fast.py): a call
+whose arguments match the last call's by identity reuses its compiled function and
 layout. Whatever it skips, it must give what the slow path gives: each call reads
 and writes its own model's states, and nothing is kept alive."""
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxstate
-from jaxstate._jit import _memo
+from jaxstate._jit import _fast, _memo, _wrapper
 
 
 class Counter(eqx.Module):
@@ -33,9 +34,11 @@ def _bump(model, x):
 
 @pytest.fixture
 def hits(monkeypatch) -> list:
-    """Whether each call matched the plan (True) or took the slow path (False)."""
+    """Whether each call matched the plan (True: by the generic match or the
+    layout's fast call) or took the slow path (False)."""
     seen = []
     match = _memo.Memo.match
+    fast_call = _fast.fast_call
 
     def watched(self, args):
         planned = self.last is not None and self.last.fast
@@ -44,7 +47,19 @@ def hits(monkeypatch) -> list:
             seen.append(out is not None)
         return out
 
+    def watched_fast_call(wrapper, memo, last):
+        fast = fast_call(wrapper, memo, last)
+
+        def call(args):
+            out = fast(args)
+            if out is not _fast.MISS:
+                seen.append(True)
+            return out
+
+        return call
+
     monkeypatch.setattr(_memo.Memo, "match", watched)
+    monkeypatch.setattr(_wrapper, "fast_call", watched_fast_call)
     return seen
 
 
@@ -310,3 +325,144 @@ def test_threads_with_their_own_models_keep_their_own_states():
     counts = [float(m.count.unsafe_get()) for m in models]
     assert counts == [301.0, 400.0, 500.0, 600.0]
     np.testing.assert_allclose(models[1].weight, 301.0)
+
+
+class Wide(eqx.Module):
+    """More arrays and more state buffers than the fast call names one by one."""
+
+    weights: tuple[jax.Array, ...]
+    counts: tuple[jaxstate.StateIndex, ...]
+
+    def __init__(self, n: int):
+        self.weights = tuple(jnp.full(2, float(i)) for i in range(n))
+        self.counts = tuple(jaxstate.StateIndex(init=jnp.array(0.0)) for _ in range(n))
+
+
+def _bump_wide(model, x):
+    for c in model.counts:
+        jaxstate.set_state(c, jaxstate.get_state(c) + 1)
+    return sum(jnp.sum(w * x) for w in model.weights)
+
+
+@pytest.mark.parametrize("donate", ["none", "all", "all-except-first"])
+@pytest.mark.parametrize("n", [1, 3, _fast.NAMED + 2])
+def test_the_fast_call_gives_what_the_generic_path_gives(hits, donate, n):
+    # Each donation's arrangement of the program's inputs, and both ways of
+    # passing arrays and buffers (named one by one, or unpacked).
+    def run(fast: bool):
+        step = jaxstate.jit(_bump_wide, donate=donate)
+        model = Wide(n)
+        outs = []
+        for i in range(5):
+            if not fast:
+                step.memo.last = None
+            outs.append(float(step(model, jnp.full(2, float(i)))))
+        return outs, [float(c.unsafe_get()) for c in model.counts], step
+
+    outs, counts, step = run(True)
+    assert step.memo.fast is not _fast.never
+    assert hits == [True] * 4  # the same model each call: from the second on
+    assert (outs, counts) == run(False)[:2]
+    assert counts == [5.0] * n
+
+
+def test_a_module_as_the_function_keeps_its_arrays_in_the_fast_call():
+    class Model(eqx.Module):
+        weight: jax.Array
+        count: jaxstate.StateIndex
+
+        def __call__(self, x):
+            jaxstate.set_state(self.count, jaxstate.get_state(self.count) + 1)
+            return jnp.sum(self.weight * x)
+
+    model = Model(jnp.arange(3.0), jaxstate.StateIndex(init=jnp.array(0.0)))
+    step = jaxstate.jit(model)
+    outs = [float(step(jnp.full(3, float(i)))) for i in range(5)]
+    assert step.memo.fast is not _fast.never
+    assert outs == [3.0 * i for i in range(5)]
+    assert float(model.count.unsafe_get()) == 5
+
+
+def test_the_fast_call_is_dropped_with_its_layout(hits):
+    step = jaxstate.jit(_bump)
+    model = Counter()
+    for _ in range(4):
+        model, _ = step(model, jnp.ones(2))
+    fast = step.memo.fast
+    assert fast is not _fast.never
+    # Another layout (a keyword argument): the slow path records it, and the
+    # old layout's fast call goes.
+    model, _ = step(model, x=jnp.ones(2))
+    assert step.memo.fast is _fast.never
+    fast = weakref.ref(fast)
+    gc.collect()
+    assert fast() is None
+    assert float(model.count.unsafe_get()) == 5
+
+
+def test_a_new_array_type_misses_and_the_generic_path_takes_it(hits):
+    step = jaxstate.jit(_bump)
+    model = Counter()
+    for _ in range(3):
+        model, _ = step(model, jnp.ones(2))
+
+    class MyArray(np.ndarray):
+        pass
+
+    x = np.ones(2, np.float32).view(MyArray)
+    model, total = step(model, x)
+    assert float(total) == 2.0
+    assert float(model.count.unsafe_get()) == 4
+    model, _ = step(model, jnp.ones(2))
+    assert float(model.count.unsafe_get()) == 5
+
+
+def test_a_trace_that_calls_back_from_the_fast_call_runs_undonated():
+    # Arrays of a new shape trace the program again from inside the fast call;
+    # this trace calls back to the host (`eqx.error_if`), so it stops, and the call
+    # runs the program undonated: with the right state, and the check raising.
+    @jaxstate.jit
+    def step(model, x):
+        if x.shape[0] > 2:
+            x = eqx.error_if(x, jnp.any(x < 0), "negative")
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return jnp.sum(x)
+
+    model = Counter()
+    for _ in range(3):
+        step(model, jnp.ones(2))
+    assert step.memo.fast is not _fast.never
+    assert float(step(model, jnp.ones(3))) == 3.0
+    assert float(model.count.unsafe_get()) == 4
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative"):
+        step(model, -jnp.ones(3))
+    assert float(model.count.unsafe_get()) == 4
+    assert float(step(model, jnp.ones(2))) == 2.0
+    assert float(model.count.unsafe_get()) == 5
+
+
+def test_a_failed_put_back_check_from_the_fast_call_leaves_the_state(monkeypatch):
+    # A `jaxstate.extend.error_if` that fails the call after it has run: the fast
+    # call hands the output to `finish`, which raises; the state was put back.
+    from jaxstate._core import _failure
+
+    monkeypatch.setattr(_failure, "MIN_STATE_BYTES", 0)
+
+    @jaxstate.jit
+    def step(model, x):
+        count = jaxstate.get_state(model.count) + 1
+        count = jaxstate.extend.error_if(
+            count, jnp.any(x < 0), "negative", states=[model.count]
+        )
+        jaxstate.set_state(model.count, count)
+        return jnp.sum(x)
+
+    model = Counter()
+    for _ in range(3):
+        step(model, jnp.ones(2))
+    assert step.memo.fast is not _fast.never
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative"):
+        step(model, -jnp.ones(2))
+    assert float(model.count.unsafe_get()) == 3
+    assert float(step(model, jnp.ones(2))) == 2.0
+    assert float(model.count.unsafe_get()) == 4

@@ -5,11 +5,12 @@ the fast path (`Memo.match`). See README.md beside this file.
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 
+from ._fast import never
 from ._guards import Guard
 from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
 
@@ -21,6 +22,9 @@ _SCALARS = (int, float, complex, str, type(None))
 _REMEMBERED = (eqx.Module, tuple, list, dict, *_SCALARS)
 # Held until the next call (they have no weak references).
 _BUILTIN = (tuple, list, dict, *_SCALARS)
+# Matches of one layout by the generic walk before it gets a fast call: a loop
+# whose arguments change layout on every call never pays for one.
+_HITS = 2
 
 
 class _Held:
@@ -50,12 +54,35 @@ def _same(xs: list, ys: list) -> bool:
 class Last:
     """The last call, as far as it decides everything but the arrays."""
 
-    __slots__ = ("keys", "storages", "call", "program", "n_first", "fast")
+    __slots__ = (
+        "keys",
+        "with_states",
+        "n_arrays",
+        "n_holders",
+        "storages",
+        "call",
+        "program",
+        "n_first",
+        "fast",
+        "hits",
+    )
 
     def __init__(self, parts: list, call: Part, program: Any, n_first: int, fast):
         # Per argument (the function and keyword arguments first): the key object
         # of its part, `None` for an array.
         self.keys = [p.key if type(p) is Part else None for p in parts]
+        # The argument that reaches states, when one does (its place in `parts`).
+        reaching = [
+            i for i, p in enumerate(parts) if i > 1 and type(p) is Part and p.storages
+        ]
+        self.with_states = reaching[-1] if reaching else None
+        # For its fast call (`_fast.py`): each argument's number of arrays, and the
+        # state buffers of the one that reaches states (both fixed by the keys).
+        self.n_arrays = [len(p.arrays) if type(p) is Part else None for p in parts]
+        states = parts[0] if self.with_states is None else parts[self.with_states]
+        self.n_holders = len(states.holders)
+        # Calls matched so far, before the layout gets a fast call of its own.
+        self.hits = 0
         self.program = program
         self.n_first = n_first
         # Whether a later call may take the fast path.
@@ -101,6 +128,9 @@ class Memo:
         self.entries: dict[int, tuple] = {}
         self.used: dict[int, tuple] = {}
         self.last: Last | None = None
+        # The last call's layout as one generated function (`_fast.py`), made by
+        # the wrapper once the layout is `stable`; until then, `never`.
+        self.fast: Callable[[tuple], Any] = never
         self._dropping = self._drop  # (one bound method, not one per call)
 
     def fun_part(self) -> Part:
@@ -149,11 +179,11 @@ class Memo:
             return call
         return combine(parts)
 
-    def match(self, args: tuple) -> tuple[list, Part] | None:
-        """The fast path: `(arrays, call)` if `args` match the last call by identity
-        (an array where it had an array, else an object remembered with the very
-        same part key), else `None`. The call is the one argument part that reaches
-        states, or the last call's numbering."""
+    def match(self, args: tuple) -> tuple[list, Part, Any, int] | None:
+        """`(arrays, call, program, n_first)` if `args` match the last call by
+        identity (an array where it had an array, else an object remembered with
+        the very same part key), else `None`. The call is the one argument part
+        that reaches states, or the last call's numbering."""
         last = self.last
         if last is None or not last.fast:
             return None
@@ -191,7 +221,16 @@ class Memo:
         # tuple, held until here) is freed before the program runs, as when a
         # hand-threaded loop replaces it, so that its memory can be reused.
         self.entries = used
-        return arrays, (call if last.call is None else last.call)
+        last.hits += 1
+        if last.call is not None:
+            call = last.call
+        return arrays, call, last.program, last.n_first
+
+    def stable(self) -> bool:
+        """Whether the last call's layout has matched often enough to be given a
+        fast call of its own (and has one argument at most that reaches states)."""
+        last = self.last
+        return last is not None and last.hits == _HITS and last.call is None
 
     def record(
         self, parts: list, call: Part, program: Any, n_first: int, fast: bool
@@ -200,6 +239,7 @@ class Memo:
         # A program for indices in static positions must die with them: no record
         # of it is kept here.
         self.last = None if call.statics else Last(parts, call, program, n_first, fast)
+        self.fast = never
 
     def forget(self, program: Any) -> None:
         """Forgets the last call if it ran `program`, which gave a state its first
@@ -207,6 +247,7 @@ class Memo:
         last = self.last
         if last is not None and last.program is program:
             self.last = None
+            self.fast = never
 
     def remember(self, tree, part: Part, arrays: Sequence, guard: Guard | None) -> None:
         """Remembers the part of `tree`, with its arrays and its guard (kept beside

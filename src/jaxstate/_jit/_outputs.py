@@ -244,7 +244,7 @@ class Static:
     `checks` (the message and stack of each `jaxstate.extend.error_if` the program
     puts back), the output before it is the number of the one that failed, or 0."""
 
-    __slots__ = ("value", "one_array", "checks")
+    __slots__ = ("value", "one_array", "checks", "plain")
 
     def __init__(
         self,
@@ -256,6 +256,8 @@ class Static:
         is_tuple, described = description
         self.one_array = not is_tuple and described[0].is_leaf
         self.checks = tuple(checks) or None
+        # One array, and nothing to check: a training loop's loss.
+        self.plain = self.one_array and self.checks is None
 
 
 # The instance itself is the aux data, so rebuilding it is one Python call that

@@ -43,22 +43,22 @@ class Slot(NamedTuple):
 
 # A leaf's role in a part: an array (traced), a handle (a slot), or static (a leaf
 # of the key). (Not to be confused with a state's kind, `jaxstate.kinds`.)
-_ARRAY_ROLE, _HANDLE_ROLE, _STATIC_ROLE = 1, 2, 3
+ARRAY_ROLE, _HANDLE_ROLE, _STATIC_ROLE = 1, 2, 3
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, _jax.Tracer)
-_roles: dict[type, int] = {Handle: _HANDLE_ROLE}
+roles: dict[type, int] = {Handle: _HANDLE_ROLE}
 
 
 def role(cls: type) -> int:
     """Whether leaves of `cls` are arrays, handles or static (cached per type:
     `isinstance(x, jax.Array)` goes through an ABC check)."""
-    r = _roles.get(cls)
+    r = roles.get(cls)
     if r is None:
-        r = _roles[cls] = _ARRAY_ROLE if issubclass(cls, _ARRAY_TYPES) else _STATIC_ROLE
+        r = roles[cls] = ARRAY_ROLE if issubclass(cls, _ARRAY_TYPES) else _STATIC_ROLE
     return r
 
 
 def is_array(x) -> bool:
-    return (_roles.get(type(x)) or role(type(x))) == _ARRAY_ROLE
+    return (roles.get(type(x)) or role(type(x))) == ARRAY_ROLE
 
 
 def is_leaf(x) -> bool:
@@ -221,8 +221,8 @@ def analyse(tree) -> Part:
     slot_of: dict[int, int] = {}
     fixed = True
     for leaf in leaves:
-        r = _roles.get(type(leaf)) or role(type(leaf))
-        if r == _ARRAY_ROLE:
+        r = roles.get(type(leaf)) or role(type(leaf))
+        if r == ARRAY_ROLE:
             arrays.append(leaf)
             spec.append(ARRAY)
         elif r == _HANDLE_ROLE:

@@ -9,6 +9,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,7 +81,10 @@ class _Tracing(threading.local):
 # the call's states from its frame's locals. `_inner` finds them there, in the
 # nearest such frame of its thread (`calls_program`): setting them aside per call,
 # in a thread-local, cost a training loop's call more than the rest of its checks.
-_CALLERS: dict[types.CodeType, Callable[[dict], tuple["Program", list]]] = {}
+# (By weak reference: the generated fast calls, `_fast.py`, die with their layout.)
+_CALLERS: weakref.WeakKeyDictionary[types.CodeType, Callable[[dict], tuple]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def calls_program(read: Callable[[dict], tuple["Program", list]]):
@@ -159,6 +163,9 @@ class Program:
         self.created = False
         # The states the function reached through closed-over indices.
         self.closed: frozenset[int] = frozenset()
+        # Ready, closing over no state, giving none its first value: what a
+        # generated fast call (`_fast.py`) may run. (Kept by `_plain`.)
+        self.plain = False
         # How to rebuild the output, per trace (a program's output says which).
         self.outputs: list[Description] = []
         # Marks the frames of this program's calls for `eqx.error_if`, which
@@ -256,6 +263,7 @@ class Program:
             raise error from None
         self.fresh = False
         self.ready = self.donating
+        self._plain()
         return out
 
     def _once(self, inputs: Sequence, executable: Callable | None) -> Any:
@@ -266,8 +274,11 @@ class Program:
         return self.retrying(inputs)
 
     def stop_donating(self) -> None:
-        self.donating = self.ready = False
+        self.donating = self.ready = self.plain = False
         self.jitted = self.undonated()
+
+    def _plain(self) -> None:
+        self.plain = self.ready and not self.closed and not self.created
 
     def _probe(self, inputs: Sequence) -> None:
         """Traces a fresh donating program ahead of its first call. JAX keeps the
@@ -346,6 +357,7 @@ class Program:
         self.closed = frozenset(closed)
         if any(p.pending is not None for p in proxies):
             self.created = True
+        self._plain()
         if self.donating and _calls_back(_jax.recorded(top)):
             # A failure while running would come after XLA took the donated
             # buffers: stop before this program is compiled (or, ahead of the

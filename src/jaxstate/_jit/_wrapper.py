@@ -17,6 +17,7 @@ from .._core._context import ReachedByClosure
 from .._core._failure import failure_text
 from .._core._lock import give, take
 from ._cache import programs_for
+from ._fast import fast_call, MISS
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
@@ -93,15 +94,19 @@ class _JitWrapper:
         if type(_trace_state.value) is not _EvalTrace or _disable_jit.value:
             return self._inside(args, kwargs)
         memo = self.memo
+        if not kwargs:
+            # A training loop's call, once its layout is stable (`_fast.py`).
+            out = memo.fast(args)
+            if out is not MISS:
+                return out
         matched = None if kwargs else memo.match(args)
         if matched is None:
             program, call, first = self.prepare(args, kwargs)
             arrays = call.arrays
         else:
-            last = memo.last
-            assert last is not None
-            arrays, call = matched
-            program, first = last.program, last.n_first
+            arrays, call, program, first = matched
+            if memo.stable():
+                memo.fast = fast_call(self, memo, memo.last)
         try:
             return self.execute(program, call, arrays, first)
         except ReachedByClosure as e:
@@ -257,22 +262,30 @@ class _JitWrapper:
                 try:
                     out = program.jitted(*kept, *map(_get_buf, holders), *donated)
                 except Undonate:
-                    # That new trace calls back to the host: run it undonated.
-                    program.stop_donating()
-                    bufs = list(map(_get_buf, holders))
-                    out = program.run(
-                        call.storages, kept, bufs, donated, self.hide_warning
-                    )
+                    out = self.undonated(program, call, arrays, first)
             else:
                 bufs = list(map(_get_buf, holders))
                 out = program.run(
                     call.storages, kept, bufs, donated, self.hide_warning, executable
                 )
-            n = len(holders)
             # (`map` stops with `holders`: the new state buffers come first.)
             any(map(setattr, holders, _BUF_NAMES, out))
         finally:
             give(ids, opened)
+        return self.finish(program, call, out)
+
+    def undonated(self, program: Program, call: Part, arrays: Sequence, first: int):
+        """Runs `program`, whose new trace calls back to the host, undonated (inside
+        the call's critical section)."""
+        program.stop_donating()
+        kept, donated = self._split(arrays, first)
+        bufs = _jax.holder_buffers(call.holders)
+        return program.run(call.storages, kept, bufs, donated, self.hide_warning)
+
+    def finish(self, program: Program, call: Part, out: Sequence) -> Any:
+        """The end of a call, once the new state buffers are in: forgets a program
+        that gave a state its first value, raises a failed check, rebuilds the
+        output, and ends the call for the memo."""
         created = program.created
         if created:
             # The program gave a state its first value: it writes that state's own
@@ -281,6 +294,7 @@ class _JitWrapper:
         static = out[-1]
         if static.checks is not None:
             _raise_if_failed(static, out)
+        n = len(call.holders)
         if static.one_array:
             # (A loss: the common case, without `rebuild`'s call.)
             out = out[n]
