@@ -439,6 +439,28 @@ def test_a_trace_that_calls_back_from_the_fast_call_runs_undonated():
     assert float(model.count.unsafe_get()) == 4
     assert float(step(model, jnp.ones(2))) == 2.0
     assert float(model.count.unsafe_get()) == 5
+    # The program runs undonated from now on: the fast call, which runs only
+    # donating programs, is dropped at its next call rather than tried on each.
+    assert step.memo.fast is _fast.never
+    for _ in range(3):
+        step(model, jnp.ones(2))
+    assert step.memo.fast is _fast.never
+    assert float(model.count.unsafe_get()) == 8
+
+
+def test_a_program_that_calls_back_gets_no_fast_call():
+    @jaxstate.jit
+    def step(model, x):
+        x = eqx.error_if(x, jnp.any(x < 0), "negative")
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return jnp.sum(x)
+
+    model = Counter()
+    for _ in range(5):
+        step(model, jnp.ones(2))
+    assert step.memo.last is not None and step.memo.last.hits >= 2
+    assert step.memo.fast is _fast.never
+    assert float(model.count.unsafe_get()) == 5
 
 
 def test_a_failed_put_back_check_from_the_fast_call_leaves_the_state(monkeypatch):

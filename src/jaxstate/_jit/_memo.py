@@ -228,9 +228,15 @@ class Memo:
 
     def stable(self) -> bool:
         """Whether the last call's layout has matched often enough to be given a
-        fast call of its own (and has one argument at most that reaches states)."""
+        fast call of its own (and has one argument at most that reaches states,
+        and a program that a fast call can run: see `_fast.py`)."""
         last = self.last
-        return last is not None and last.hits == _HITS and last.call is None
+        return (
+            last is not None
+            and last.hits == _HITS
+            and last.call is None
+            and last.program.plain
+        )
 
     def record(
         self, parts: list, call: Part, program: Any, n_first: int, fast: bool
