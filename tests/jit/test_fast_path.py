@@ -383,11 +383,17 @@ def test_a_module_as_the_function_keeps_its_arrays_in_the_fast_call():
     assert float(model.count.unsafe_get()) == 5
 
 
-def test_the_fast_call_is_dropped_with_its_layout(hits):
+def _looped(calls: int):
+    """A training loop of `calls` calls: the step and the last model."""
     step = jaxstate.jit(_bump)
     model = Counter()
-    for _ in range(4):
+    for _ in range(calls):
         model, _ = step(model, jnp.ones(2))
+    return step, model
+
+
+def test_the_fast_call_is_dropped_with_its_layout(hits):
+    step, model = _looped(4)
     fast = step.memo.fast
     assert fast is not _fast.never
     # Another layout (a keyword argument): the slow path records it, and the
@@ -401,10 +407,8 @@ def test_the_fast_call_is_dropped_with_its_layout(hits):
 
 
 def test_a_new_array_type_misses_and_the_generic_path_takes_it(hits):
-    step = jaxstate.jit(_bump)
-    model = Counter()
-    for _ in range(3):
-        model, _ = step(model, jnp.ones(2))
+    step, model = _looped(5)
+    assert step.memo.fast is not _fast.never
 
     class MyArray(np.ndarray):
         pass
@@ -412,22 +416,29 @@ def test_a_new_array_type_misses_and_the_generic_path_takes_it(hits):
     x = np.ones(2, np.float32).view(MyArray)
     model, total = step(model, x)
     assert float(total) == 2.0
-    assert float(model.count.unsafe_get()) == 4
+    assert float(model.count.unsafe_get()) == 6
     model, _ = step(model, jnp.ones(2))
-    assert float(model.count.unsafe_get()) == 5
+    assert float(model.count.unsafe_get()) == 7
+
+
+def _checked(longer_than: int):
+    """A step with `eqx.error_if` (a host callback) for arrays longer than that."""
+
+    @jaxstate.jit
+    def step(model, x):
+        if x.shape[0] > longer_than:
+            x = eqx.error_if(x, jnp.any(x < 0), "negative")
+        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
+        return jnp.sum(x)
+
+    return step
 
 
 def test_a_trace_that_calls_back_from_the_fast_call_runs_undonated():
     # Arrays of a new shape trace the program again from inside the fast call;
     # this trace calls back to the host (`eqx.error_if`), so it stops, and the call
     # runs the program undonated: with the right state, and the check raising.
-    @jaxstate.jit
-    def step(model, x):
-        if x.shape[0] > 2:
-            x = eqx.error_if(x, jnp.any(x < 0), "negative")
-        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
-        return jnp.sum(x)
-
+    step = _checked(longer_than=2)
     model = Counter()
     for _ in range(3):
         step(model, jnp.ones(2))
@@ -449,12 +460,7 @@ def test_a_trace_that_calls_back_from_the_fast_call_runs_undonated():
 
 
 def test_a_program_that_calls_back_gets_no_fast_call():
-    @jaxstate.jit
-    def step(model, x):
-        x = eqx.error_if(x, jnp.any(x < 0), "negative")
-        jaxstate.set_state(model.count, jaxstate.get_state(model.count) + 1)
-        return jnp.sum(x)
-
+    step = _checked(longer_than=0)
     model = Counter()
     for _ in range(5):
         step(model, jnp.ones(2))
