@@ -494,3 +494,30 @@ def test_a_failed_put_back_check_from_the_fast_call_leaves_the_state(monkeypatch
     assert float(model.count.unsafe_get()) == 3
     assert float(step(model, jnp.ones(2))) == 2.0
     assert float(model.count.unsafe_get()) == 4
+
+
+def test_arguments_that_reach_the_same_states_get_a_fast_call(hits):
+    # An optax state made from `eqx.filter(model, ...)` holds the model's indices:
+    # two arguments reach the same states, numbered across them. The fast call
+    # checks that each brings the very states it brought before.
+    @jaxstate.jit
+    def step(model, twin, x):
+        jaxstate.set_state(twin.count, jaxstate.get_state(twin.count) + 10)
+        model, total = _bump(model, x)
+        return model, twin, total
+
+    model = Counter()
+    twin = eqx.filter(model, eqx.is_inexact_array)
+    for _ in range(6):
+        model, twin, _ = step(model, twin, jnp.ones(2))
+    assert step.memo.last is not None and step.memo.last.call is not None
+    assert step.memo.fast is not _fast.never
+    assert hits[-2:] == [True, True]
+    assert float(model.count.unsafe_get()) == 66
+    # Another model's twin brings other states: the fast call misses, and the
+    # call is worked out again.
+    other = Counter(1000.0)
+    model, _, _ = step(model, eqx.filter(other, eqx.is_inexact_array), jnp.ones(2))
+    assert hits[-1] is False
+    assert float(model.count.unsafe_get()) == 67
+    assert float(other.count.unsafe_get()) == 1010

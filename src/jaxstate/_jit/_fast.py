@@ -3,7 +3,8 @@ beside this file.
 
 A loop calls one function with arguments of one layout: which positions hold
 arrays, which hold remembered objects, with which part keys, and which of them
-reaches the states. The generic path walks that layout on every call (`Memo.match`)
+reach the states (a model, and the optax state made from it, reach the same
+ones). The generic path walks that layout on every call (`Memo.match`)
 and then runs `execute`, a few hundred bytecodes in all: for a dispatch-bound step,
 or a scan of a thousand small iterations, that Python is a tenth or more of the
 call. Once a layout has matched twice, it is compiled into straight-line Python with
@@ -21,7 +22,7 @@ from typing import Any
 
 from .. import _jax
 from .._core._lock import give, take
-from ._parts import ARRAY_ROLE, EMPTY, roles
+from ._parts import ARRAY_ROLE, EMPTY, roles, same
 from ._program import calls_program, Undonate
 
 
@@ -48,8 +49,8 @@ def never(args: tuple) -> Any:
 
 def fast_call(wrapper: Any, memo: Any, last: Any) -> Callable[[tuple], Any]:
     """The call of `wrapper` for arguments laid out as `last`, the last call `memo`
-    recorded, which has at most one argument that reaches states. It takes the
-    positional arguments and returns the call's output, or `MISS`."""
+    recorded. It takes the positional arguments and returns the call's output, or
+    `MISS`."""
     fun = memo.fun
     names: dict[str, Any] = {
         "memo": memo,
@@ -63,6 +64,7 @@ def fast_call(wrapper: Any, memo: Any, last: Any) -> Callable[[tuple], Any]:
         "NEVER": never,
         "Undonate": Undonate,
         "_roles_get": roles.get,
+        "_same": same,
         "ARRAY": ARRAY_ROLE,
         "_take": take,
         "_give": give,
@@ -107,10 +109,20 @@ def fast_call(wrapper: Any, memo: Any, last: Any) -> Callable[[tuple], Any]:
             )
             used.append(f"    used[id({a})] = e{i}")
             arrays += _unpacked(f"e{i}[2]", last.n_arrays[i + 2], checks)
-            if i + 2 == last.with_states:
+            if last.call is not None and last.storages[i + 2]:
+                # Several arguments reach states: each must bring the very states
+                # it brought, which the last call's numbering names.
+                names[f"S{i}"] = last.storages[i + 2]
+                checks.append(
+                    f"    if not _same(e{i}[1].storages, S{i}):\n        return MISS"
+                )
+            elif i + 2 == last.with_states:
                 call = f"e{i}[1]"
         if i == 0:
             n_kept = len(arrays)
+    if last.call is not None:
+        names["CALL"] = last.call
+        call = "CALL"
     n_holders = last.n_holders
     if n_holders <= NAMED:
         take_bufs = (

@@ -3,7 +3,6 @@ objects (`Memo`) and the last call (`Last`), so that a training loop's calls tak
 the fast path (`Memo.match`). See README.md beside this file.
 """
 
-import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,7 +11,7 @@ import equinox as eqx
 
 from ._fast import never
 from ._guards import Guard
-from ._parts import analyse, combine, EMPTY, function_part, is_array, Part
+from ._parts import analyse, combine, EMPTY, function_part, is_array, Part, same
 
 
 # What is remembered: objects whose part can change only where a guard sees it.
@@ -47,10 +46,6 @@ class _Ref(weakref.ref):
     __slots__ = ("key",)
 
 
-def _same(xs: list, ys: list) -> bool:
-    return xs is ys or (len(xs) == len(ys) and all(map(operator.is_, xs, ys)))
-
-
 class Last:
     """The last call, as far as it decides everything but the arrays."""
 
@@ -77,10 +72,9 @@ class Last:
         ]
         self.with_states = reaching[-1] if reaching else None
         # For its fast call (`_fast.py`): each argument's number of arrays, and the
-        # state buffers of the one that reaches states (both fixed by the keys).
+        # call's state buffers (both fixed by the keys).
         self.n_arrays = [len(p.arrays) if type(p) is Part else None for p in parts]
-        states = parts[0] if self.with_states is None else parts[self.with_states]
-        self.n_holders = len(states.holders)
+        self.n_holders = len(call.holders)
         # Calls matched so far, before the layout gets a fast call of its own.
         self.hits = 0
         self.program = program
@@ -107,7 +101,7 @@ class Last:
                 if key is not None:
                     return False
             elif p.key is not key or (
-                storages is not None and not _same(p.storages, storages[i])
+                storages is not None and not same(p.storages, storages[i])
             ):
                 return False
         return True
@@ -211,7 +205,7 @@ class Memo:
             if guard is not None and not guard.intact():
                 return None
             if part.storages:
-                if storages is not None and not _same(part.storages, storages[i]):
+                if storages is not None and not same(part.storages, storages[i]):
                     return None
                 call = part
             used[n] = entry
@@ -228,15 +222,10 @@ class Memo:
 
     def stable(self) -> bool:
         """Whether the last call's layout has matched often enough to be given a
-        fast call of its own (and has one argument at most that reaches states,
-        and a program that a fast call can run: see `_fast.py`)."""
+        fast call of its own (and has a program that a fast call can run: see
+        `_fast.py`)."""
         last = self.last
-        return (
-            last is not None
-            and last.hits == _HITS
-            and last.call is None
-            and last.program.plain
-        )
+        return last is not None and last.hits == _HITS and last.program.plain
 
     def record(
         self, parts: list, call: Part, program: Any, n_first: int, fast: bool

@@ -4,6 +4,7 @@ beside this file.
 """
 
 import dataclasses
+import operator
 import types
 import weakref
 from collections.abc import Sequence
@@ -59,6 +60,11 @@ def role(cls: type) -> int:
 
 def is_array(x) -> bool:
     return (roles.get(type(x)) or role(type(x))) == ARRAY_ROLE
+
+
+def same(xs: Sequence, ys: Sequence) -> bool:
+    """Whether two lists of states hold the very same states, in order."""
+    return xs is ys or (len(xs) == len(ys) and all(map(operator.is_, xs, ys)))
 
 
 def is_leaf(x) -> bool:
