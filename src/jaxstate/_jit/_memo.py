@@ -220,12 +220,14 @@ class Memo:
             call = last.call
         return arrays, call, last.program, last.n_first
 
-    def stable(self) -> bool:
-        """Whether the last call's layout has matched often enough to be given a
-        fast call of its own (and has a program that a fast call can run: see
-        `_fast.py`)."""
+    def stable(self) -> "Last | None":
+        """The last call, if its layout has matched often enough to be given a fast
+        call of its own (and has a program that a fast call can run: see
+        `_fast.py`). (Returned, not read again: another thread may replace it.)"""
         last = self.last
-        return last is not None and last.hits == _HITS and last.program.plain
+        if last is not None and last.hits == _HITS and last.program.plain:
+            return last
+        return None
 
     def record(
         self, parts: list, call: Part, program: Any, n_first: int, fast: bool

@@ -105,8 +105,9 @@ class _JitWrapper:
             arrays = call.arrays
         else:
             arrays, call, program, first = matched
-            if memo.stable():
-                memo.fast = fast_call(self, memo, memo.last)
+            stable = memo.stable()
+            if stable is not None:
+                memo.fast = fast_call(self, memo, stable)
         try:
             return self.execute(program, call, arrays, first)
         except ReachedByClosure as e:
