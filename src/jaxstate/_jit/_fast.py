@@ -10,9 +10,9 @@ or a scan of a thousand small iterations, that Python is a tenth or more of the
 call. Once a layout has matched twice, it is compiled into straight-line Python with
 the keys, the program and the arrangement of the program's inputs bound as names:
 the same checks in the same order, the same effect on the memo. Anything but the
-plain case (an argument that does not match, a program not ready or closing over a
-passed state, NaN debugging) returns `MISS` before it has changed anything, and the
-call takes the generic path; what can only be seen after the program has run (a
+plain case (an argument that does not match, a program that is not
+`Program.plain`, NaN debugging) returns `MISS` before it has changed anything, and
+the call takes the generic path; what can only be seen after the program has run (a
 state's first value, a failed check, an output to rebuild) is left to the
 wrapper's `finish`.
 """
