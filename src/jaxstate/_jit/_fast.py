@@ -23,7 +23,7 @@ from typing import Any
 from .. import _jax
 from .._core._lock import give, take
 from ._parts import ARRAY_ROLE, EMPTY, roles, same
-from ._program import calls_program, Undonate
+from ._program import calls_program, program_and_call, Undonate
 
 
 class _Miss:
@@ -192,7 +192,7 @@ def fast_call(wrapper: Any, memo: Any, last: Any) -> Callable[[tuple], Any]:
     exec(compile(source, "<jaxstate fast call>", "exec"), names, scope)
     # It calls the program: when JAX traces again (arrays of new shapes), `_inner`
     # reads the program and the call from its frame.
-    return calls_program(_read)(scope["fast"])
+    return calls_program(program_and_call)(scope["fast"])
 
 
 def _unpacked(name: str, n: int, checks: list[str]) -> list[str]:
@@ -210,7 +210,3 @@ def _unpacked(name: str, n: int, checks: list[str]) -> list[str]:
         f"    ({''.join(f'{x}, ' for x in names)}) = {name}"
     )
     return names
-
-
-def _read(f: dict) -> tuple[Any, list]:
-    return f["program"], f["call"].storages

@@ -1,6 +1,7 @@
 """What a `jaxstate.jit` function remembers between calls: the parts of argument
 objects (`Memo`) and the last call (`Last`), so that a training loop's calls take
-the fast path (`Memo.match`). See README.md beside this file.
+the fast path (`Memo.match`, then the layout's generated `Memo.fast`). See README.md
+beside this file.
 """
 
 import weakref
@@ -177,7 +178,8 @@ class Memo:
         """`(arrays, call, program, n_first)` if `args` match the last call by
         identity (an array where it had an array, else an object remembered with
         the very same part key), else `None`. The call is the one argument part
-        that reaches states, or the last call's numbering."""
+        that reaches states, or the last call's numbering. (A fast call, `_fast.py`,
+        makes the same checks in the same order: change both.)"""
         last = self.last
         if last is None or not last.fast:
             return None

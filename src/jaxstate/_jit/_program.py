@@ -100,6 +100,12 @@ def calls_program(read: Callable[[dict], tuple["Program", list]]):
     return register
 
 
+def program_and_call(f: dict) -> tuple["Program", list]:
+    """`calls_program`'s reader for a frame whose locals name the program
+    `program` and the call's part `call` (`execute`, the fast calls)."""
+    return f["program"], f["call"].storages
+
+
 def _states_of_call(program: "Program") -> list:
     """The states of the call of `program` this thread is making."""
     frame = sys._getframe(2)

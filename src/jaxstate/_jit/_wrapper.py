@@ -21,7 +21,7 @@ from ._fast import fast_call, MISS
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
-from ._program import calls_program, Program, Undonate
+from ._program import calls_program, Program, program_and_call, Undonate
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -94,12 +94,14 @@ class _JitWrapper:
         if type(_trace_state.value) is not _EvalTrace or _disable_jit.value:
             return self._inside(args, kwargs)
         memo = self.memo
-        if not kwargs:
+        if kwargs:
+            matched = None
+        else:
             # A training loop's call, once its layout is stable (`_fast.py`).
             out = memo.fast(args)
             if out is not MISS:
                 return out
-        matched = None if kwargs else memo.match(args)
+            matched = memo.match(args)
         if matched is None:
             program, call, first = self.prepare(args, kwargs)
             arrays = call.arrays
@@ -221,7 +223,7 @@ class _JitWrapper:
         # All but the arrays of `fun`, the keyword arguments and the first argument.
         return arrays[:first], arrays[first:]
 
-    @calls_program(lambda f: (f["program"], f["call"].storages))
+    @calls_program(program_and_call)
     def execute(
         self,
         program: Program,
@@ -249,6 +251,7 @@ class _JitWrapper:
         ids, holders = call.ids, call.holders
         # No other thread may read or donate these states' buffers until this
         # call has put the new ones back; an interrupt waits until then too.
+        # (A fast call, `_fast.py`, does the same up to `finish`: change both.)
         opened = take(ids)
         try:
             # (`_jax.holder_buffers` and `set_holder_buffers`, inlined.)
