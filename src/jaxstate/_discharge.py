@@ -88,14 +88,23 @@ def _threaded(closed: Any) -> Any | None:
                 subst[eqn.outvars[0]] = held
             value[ref] = new
             continue
-        if any(map(_is_ref, invars)) or any(map(_is_ref, eqn.outvars)):
-            return None
+        # (Plain loops: this runs for every equation of a program.) A reference
+        # here is one `ref_p` made (the inputs and outputs hold none).
+        reads = False
+        for v in invars:
+            if type(v) is not _core.Literal:
+                if v in value:
+                    return None  # a reference used in any other way
+                reads = reads or v in subst
+        for v in eqn.outvars:
+            if isinstance(v.aval, _AbstractRef):
+                return None
         if eqn.effects and any(
             isinstance(e, (_core.InternalMutableArrayEffect, _RefEffect))
             for e in eqn.effects
         ):
             return None
-        if subst and any(v in subst for v in invars if type(v) is not _core.Literal):
+        if reads:
             eqn = eqn.replace(invars=list(map(sub, invars)))
         eqns.append(eqn)
     outvars = list(map(sub, jaxpr.outvars))

@@ -173,11 +173,26 @@ def function_name(trace: Any) -> str | None:
 #
 
 
-def new_primitive(name: str, impl: Callable, abstract_eval: Callable) -> Any:
+def new_primitive(
+    name: str,
+    impl: Callable,
+    abstract_eval: Callable,
+    unchanged: Callable[..., bool] = lambda **params: False,
+) -> Any:
+    """A primitive of one result, lowered as `impl` is, or as its first operand
+    itself where `unchanged(**params)` says it is that (which costs nothing to lower,
+    where `impl` is traced again at every lowering)."""
     prim = _core.Primitive(name)
     prim.def_impl(impl)
     prim.def_abstract_eval(abstract_eval)
-    _mlir.register_lowering(prim, _mlir.lower_fun(impl, multiple_results=False))
+    traced = _mlir.lower_fun(impl, multiple_results=False)
+
+    def lower(ctx, *args, **params):
+        if unchanged(**params):
+            return [args[0]]
+        return traced(ctx, *args, **params)
+
+    _mlir.register_lowering(prim, lower)
     return prim
 
 

@@ -217,6 +217,26 @@ def test_a_primitive_with_a_zero_jvp():
     assert jax.jit(prim.bind)(3.0) == 6.0  # lowered through its impl
 
 
+def test_a_primitive_lowered_as_its_operand_where_it_leaves_it_unchanged():
+    traced = []
+
+    def impl(x, *, scale):
+        traced.append(scale)
+        return x * scale
+
+    prim = _jax.new_primitive(
+        "jaxstate_test_unchanged",
+        impl,
+        lambda x, *, scale: x,
+        lambda scale: scale == 1,
+    )
+    # (A fresh function per call: JAX caches lowerings per function.)
+    assert jax.jit(lambda x: prim.bind(x, scale=1))(3.0) == 3.0
+    assert traced == []  # not traced to be lowered
+    assert jax.jit(lambda x: prim.bind(x, scale=2))(3.0) == 6.0
+    assert traced == [2]
+
+
 def test_batch_info_and_moving_axes():
     def f(x, y):
         trace = _jax.current_trace()

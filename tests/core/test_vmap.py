@@ -89,6 +89,34 @@ def test_extra_vmap_reads_broadcast_and_reduced_writes_land(jit):
     np.testing.assert_array_equal(out, xs - xs.mean(0, keepdims=True))
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_reads_and_writes_of_a_state_without_batch_axes_lower_to_nothing(
+    batched, monkeypatch
+):
+    # Where a read or write leaves the value as it is, its lowering passes the
+    # operand on instead of tracing the primitive's implementation (which checks
+    # the batch axes first).
+    from jaxstate._core import _vmap
+
+    checked = []
+    check = _vmap._check_levels
+    monkeypatch.setattr(
+        _vmap, "_check_levels", lambda *a: (checked.append(a), check(*a))[1]
+    )
+    index = (
+        _members(4, jnp.zeros(2)) if batched else jaxstate.StateIndex(init=jnp.zeros(2))
+    )
+
+    def per_example(x):
+        jaxstate.set_state(index, jaxstate.get_state(index) + lax.pmean(x, "b"))
+
+    jaxstate.jit(jax.vmap(per_example, axis_name="b"))(jnp.ones((4, 2)))
+    np.testing.assert_array_equal(
+        index.unsafe_get(), jnp.ones((4, 2) if batched else 2)
+    )
+    assert bool(checked) == batched
+
+
 def test_ensemble_of_batch_stats_under_two_vmaps(jit):
     # One state per ensemble member (outer vmap), reduced over the batch (inner).
     index = _members(2, jnp.zeros(()))

@@ -161,7 +161,13 @@ def _read_batcher(axis_data, vals, dims, *, batch_shape, n_state):
     return out, (0 if is_state else None)
 
 
-read_p = _jax.new_primitive("jaxstate_read", _read_impl, _read_abstract_eval)
+# A state with no batch axes is read and written as it is (`like` only batches).
+read_p = _jax.new_primitive(
+    "jaxstate_read",
+    _read_impl,
+    _read_abstract_eval,
+    lambda batch_shape, n_state: not batch_shape and not n_state,
+)
 _jax.set_batching_rule(read_p, _read_batcher)
 _jax.set_zero_jvp(read_p)
 
@@ -222,7 +228,12 @@ def _write_batcher(axis_data, vals, dims, *, batch_shape, levels):
     return write_p.bind(value, batch_shape=batch_shape, levels=levels), None
 
 
-write_p = _jax.new_primitive("jaxstate_write", _write_impl, _write_abstract_eval)
+write_p = _jax.new_primitive(
+    "jaxstate_write",
+    _write_impl,
+    _write_abstract_eval,
+    lambda batch_shape, levels: not batch_shape and not levels,
+)
 _jax.set_batching_rule(write_p, _write_batcher)
 _jax.set_zero_jvp(write_p)
 
