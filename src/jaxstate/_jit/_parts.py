@@ -85,6 +85,8 @@ _LEAF_TYPES = frozenset((Handle, *FLAG_TYPES))
 
 
 def _search(x, found: list[Handle]) -> None:
+    if type(x) in _ATOMS:  # most static data: field names, flags, sizes
+        return
     if isinstance(x, StateIndex):
         found.append(x._handle)
     elif isinstance(x, (list, tuple, set, frozenset)):
@@ -98,6 +100,9 @@ def _search(x, found: list[Handle]) -> None:
         for f in dataclasses.fields(x):
             if f.name in getattr(x, "__dict__", {}):
                 _search(x.__dict__[f.name], found)
+
+
+_ATOMS = frozenset((str, int, float, bool, type(None)))
 
 
 def static_handles(treedef) -> list[Handle]:
