@@ -17,8 +17,8 @@ buffer, a running quantile or a cache of another layout is written the way
   grows).
 - [`eager_value`][jaxstate.extend.eager_value]: check values eagerly, before
   anything is written; [`error_if`][jaxstate.extend.error_if] and
-  [`fails_after_call`][jaxstate.extend.fails_after_call]: check them in compiled
-  code, a failed call keeping its state (updated in place otherwise).
+  [`puts_back`][jaxstate.extend.puts_back]: check them in compiled code, a failed
+  call keeping its state (updated in place otherwise).
 - [`flag_field`][jaxstate.extend.flag_field], `Flag` (the type it
   holds), [`flag_value`][jaxstate.extend.flag_value]: an `inference` flag that
   `jaxstate.tree_inference` and `eqx.nn.inference_mode` switch and plain `jax.jit`
@@ -27,7 +27,7 @@ buffer, a running quantile or a cache of another layout is written the way
 
 from ._core._failure import (
     error_if as error_if,
-    fails_after_call as fails_after_call,
+    puts_back as puts_back,
 )
 from ._core._flag import (
     Flag as Flag,

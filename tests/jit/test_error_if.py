@@ -1,9 +1,12 @@
 """`jaxstate.extend.error_if`: inside a `jaxstate.jit` trace passed the states it
-protects (and at least `MIN_STATE_BYTES` of state), a failed check fails the call
-after it has run, every state passed put back (but `free`), with no host callback,
-so the program keeps its state donated; anywhere else it is `eqx.error_if`.
+protects, a failed check fails the call after it has run, with no host callback,
+every state passed as it was: put back by the program (but `free`), which keeps its
+state donated, from `MIN_STATE_BYTES` of state; below, passed undonated, the failed
+call's outputs dropped. Anywhere else it is `eqx.error_if`.
 
-Most tests here lower the threshold to 0, so that small states take that path."""
+The tests taking `mode` run both ways (the threshold set to 0 or out of reach)."""
+
+import re
 
 import equinox as eqx
 import jax
@@ -14,14 +17,15 @@ import pytest
 
 import jaxstate
 from jaxstate._core import _failure
-from jaxstate.extend import error_if, fails_after_call
+from jaxstate.extend import error_if, puts_back
 from tests.helpers import assert_unchanged, calls_back_when_run, snapshot
 
 
-@pytest.fixture(autouse=True)
-def any_size(request, monkeypatch):
-    if "threshold" not in request.node.name:
-        monkeypatch.setattr(_failure, "MIN_STATE_BYTES", 0)
+@pytest.fixture(params=["put back", "undonated"])
+def mode(request, monkeypatch):
+    threshold = 0 if request.param == "put back" else 1 << 62
+    monkeypatch.setattr(_failure, "MIN_STATE_BYTES", threshold)
+    return request.param
 
 
 class Counted(eqx.Module):
@@ -46,7 +50,7 @@ def _step(m, x):
     return m(x)
 
 
-def test_a_failed_check_puts_back_every_state_and_raises():
+def test_a_failed_check_keeps_every_state_and_raises(mode):
     model = Counted()
     step = jaxstate.jit(_step)
     step(model, jnp.ones(3))
@@ -60,20 +64,21 @@ def test_a_failed_check_puts_back_every_state_and_raises():
     np.testing.assert_array_equal(model.total.unsafe_get(), [2.0, 2.0, 2.0])
 
 
-def test_the_program_has_no_callback_and_keeps_its_state_donated():
+def test_the_program_has_no_callback_and_keeps_a_large_state_donated(mode):
     model = Counted()
     step = jaxstate.jit(_step)
     step(model, jnp.ones(3))
     lowered = step.lower(model, jnp.ones(3))
-    # Every state's buffer is given to XLA to write in place.
-    assert lowered.as_text().count("tf.aliasing_output") == 3
+    # Put back: every state's buffer is given to XLA to write in place.
+    aliased = lowered.as_text().count("tf.aliasing_output")
+    assert aliased == (3 if mode == "put back" else 0)
     # The one callback (which makes the CPU run the call on the calling thread)
     # is in a branch never taken, which XLA removes.
     compiled = lowered.compile().as_text()
     assert "custom-call" not in compiled and "conditional" not in compiled
 
 
-def test_free_states_keep_their_new_value():
+def test_free_states_keep_their_new_value(mode):
     class Free(Counted):
         def __call__(self, x):
             jaxstate.set_state(self.count, jaxstate.get_state(self.count) + 1)
@@ -91,10 +96,12 @@ def test_free_states_keep_their_new_value():
     with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
         step(model, jnp.array([-1.0, 2.0, 3.0]))
     assert int(model.count.unsafe_get()) == 0
-    np.testing.assert_array_equal(model.scratch.unsafe_get(), [-1.0, 2.0, 3.0])
+    # (Undonated, the failed call's outputs are dropped, free or not.)
+    kept = [-1.0, 2.0, 3.0] if mode == "put back" else [0.0, 0.0, 0.0]
+    np.testing.assert_array_equal(model.scratch.unsafe_get(), kept)
 
 
-def test_under_vmap_and_scan_one_failure_fails_the_call():
+def test_under_vmap_and_scan_one_failure_fails_the_call(mode):
     model = Counted()
 
     @jaxstate.jit
@@ -118,7 +125,7 @@ def test_under_vmap_and_scan_one_failure_fails_the_call():
     assert_unchanged(model, before)
 
 
-def test_the_first_failed_check_is_the_one_raised():
+def test_the_first_failed_check_is_the_one_raised(mode):
     @jaxstate.jit
     def two(x):
         x = error_if(x, x > 5, "first")
@@ -131,16 +138,16 @@ def test_the_first_failed_check_is_the_one_raised():
     assert float(two(jnp.float32(0.5))) == 0.5
 
 
-def test_under_an_eager_vmap_of_the_compiled_function():
+def test_under_an_eager_vmap_of_the_compiled_function(mode):
     step = jaxstate.jit(lambda x: error_if(x, x < 0, "x is negative"))
     np.testing.assert_array_equal(jax.vmap(step)(jnp.ones(3)), [1.0, 1.0, 1.0])
     with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
         jax.vmap(step)(jnp.array([1.0, -1.0]))
 
 
-def test_elsewhere_it_is_equinox_error_if():
+def test_elsewhere_it_is_equinox_error_if(mode):
     model = Counted()
-    assert not fails_after_call([model.total])
+    assert not puts_back([model.total])
     # Eagerly: raises at once.
     with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
         model(jnp.array([-1.0, 0.0, 0.0]))
@@ -151,50 +158,69 @@ def test_elsewhere_it_is_equinox_error_if():
         step(model, jnp.array([-1.0, 0.0, 0.0]))
 
 
-def test_a_state_reached_by_reference_gets_equinox_error_if():
+def test_a_state_reached_by_reference_gets_equinox_error_if(mode):
     model = Counted()
     seen = []
 
     @jaxstate.jit
     def closed(x):
-        seen.append(fails_after_call([model.total]))
+        seen.append(puts_back([model.total]))
         return model(x)
 
     @jaxstate.jit
     def passed(m, x):
-        seen.append(fails_after_call([m.total]))
+        seen.append(puts_back([m.total]))
         return m(x)
 
     closed(jnp.ones(3))
     passed(model, jnp.ones(3))
-    assert seen == [False, True]
+    assert seen == [False, mode == "put back"]
+    # Only the call passed the state fails with no callback.
+    assert calls_back_when_run(closed.lower(jnp.ones(3)))
+    assert not calls_back_when_run(passed.lower(model, jnp.ones(3)))
 
 
-def test_the_threshold_small_state_keeps_equinox_check_large_state_defers():
+def test_the_threshold_small_state_undonated_large_state_put_back():
     assert _failure.MIN_STATE_BYTES == 3 << 19
 
     class Sized(eqx.Module):
         big: jaxstate.StateIndex
+        count: jaxstate.StateIndex
 
         def __init__(self, n):
             self.big = jaxstate.StateIndex(init=jnp.zeros(n, jnp.float32))
+            self.count = jaxstate.StateIndex(init=jnp.zeros((), jnp.int32))
 
     @jaxstate.jit
     def step(m, x):
+        jaxstate.set_state(m.count, jaxstate.get_state(m.count) + 1)
         jaxstate.set_state(m.big, jaxstate.get_state(m.big) + x)
-        return error_if(x, x < 0, "x is negative", states=[m.big])
+        x = error_if(x, x < 0, "x is negative", states=[m.big])
+        # Written after the check: a failed call must not keep it either.
+        jaxstate.set_state(m.big, jaxstate.get_state(m.big) * 2)
+        return x
 
     small, large = Sized(1024), Sized(3 << 17)  # 4 KiB, 1.5 MiB
-    assert calls_back_when_run(step.lower(small, jnp.float32(1.0)))
-    assert not calls_back_when_run(step.lower(large, jnp.float32(1.0)))
-    for model in (small, large):
+    for model, put_back in ((small, False), (large, True)):
         step(model, jnp.float32(1.0))
+        lowered = step.lower(model, jnp.float32(1.0))
+        # Neither calls back; only the large state's program is donated (and puts
+        # its state back: a `select` on each new value).
+        assert not calls_back_when_run(lowered)
+        text = lowered.as_text()
+        assert (text.count("tf.aliasing_output") == 2) == put_back
+        assert bool(re.search(r"select .*tensor<\d+xf32>", text)) == put_back
+        before = snapshot(model)
         with pytest.raises(eqx.EquinoxRuntimeError, match="x is negative"):
             step(model, jnp.float32(-1.0))
-        assert float(model.big.unsafe_get()[0]) == 1.0
+        assert_unchanged(model, before)
+        assert float(model.big.unsafe_get()[0]) == 2.0
+        step(model, jnp.float32(1.0))
+        assert float(model.big.unsafe_get()[0]) == 6.0
+        assert int(model.count.unsafe_get()) == 2
 
 
-def test_inside_shard_map_it_is_equinox_error_if():
+def test_inside_shard_map_it_is_equinox_error_if(mode):
     # Inside a `shard_map` body each device has its own values: the program's one
     # code cannot be set there. (A KV cache appended to by `jaxstate.shard_map`.)
     from jax.sharding import PartitionSpec as P
@@ -203,7 +229,7 @@ def test_inside_shard_map_it_is_equinox_error_if():
     seen = []
 
     def body(c, k):
-        seen.append(fails_after_call([c.position]))
+        seen.append(puts_back([c.position]))
         return jax.vmap(lambda k: c.append(k, k)[2])(k)
 
     cache = jaxstate.nn.KVCache(4, 2, 3, batch_size=2)
@@ -219,7 +245,7 @@ def test_inside_shard_map_it_is_equinox_error_if():
     assert_unchanged(cache, before)
 
 
-def test_a_free_state_reached_by_reference_gets_equinox_error_if():
+def test_a_free_state_reached_by_reference_gets_equinox_error_if(mode):
     model, other = Counted(), Counted()
 
     @jaxstate.jit
@@ -234,7 +260,7 @@ def test_a_free_state_reached_by_reference_gets_equinox_error_if():
         step(model, jnp.array([-1.0, 0.0, 0.0]))
 
 
-def test_a_check_inside_a_while_loop_stops_the_loop():
+def test_a_check_inside_a_while_loop_stops_the_loop(mode):
     # Filled two tokens at a time until full: the third append does not fit. A
     # check that let the loop go on would leave the position where it was (the
     # guarded write stores nothing), and the loop would run until its cap (here
@@ -244,10 +270,10 @@ def test_a_check_inside_a_while_loop_stops_the_loop():
 
     @jaxstate.jit
     def fill(cache):
-        seen.append(fails_after_call([cache.buffers, cache.position]))
+        seen.append(puts_back([cache.buffers, cache.position]))
 
         def body(i):
-            seen.append(fails_after_call([cache.buffers, cache.position]))
+            seen.append(puts_back([cache.buffers, cache.position]))
             cache.append(jnp.ones((2, 1, 2)), jnp.ones((2, 1, 2)))
             jax.debug.callback(lambda: rounds.append(1))
             return i + 1
@@ -261,12 +287,12 @@ def test_a_check_inside_a_while_loop_stops_the_loop():
         fill(cache)
     # Outside the loop the call could fail after it has run; inside, Equinox's
     # check stops it in its third round.
-    assert seen == [True, False]
+    assert seen == [mode == "put back", False]
     assert len(rounds) <= 3
     assert_unchanged(cache, before)
 
 
-def test_the_error_shows_where_the_check_was_made_as_equinox_does():
+def test_the_error_shows_where_the_check_was_made_as_equinox_does(mode):
     model = Counted()
     step = jaxstate.jit(_step)
     step(model, jnp.ones(3))

@@ -20,7 +20,7 @@ from jax.experimental import checkify
 
 from .. import _equinox, _jax
 from .._core._context import passed_in, ReachedByClosure
-from .._core._failure import checking, failure_code
+from .._core._failure import checking, failure_code, failure_code_of, raise_failure
 from .._core._local import LocalRef
 from .._core._storage import Handle, Storage
 from ._outputs import describe, Description, Static
@@ -250,6 +250,7 @@ class Program:
         # Equinox records the frames around an `eqx.error_if` while tracing it, and
         # shows those up to the one holding this id (the frames inside the program).
         __equinox_jit_id__ = self.jit_id  # noqa: F841
+        checks, code = None, 0
         try:
             with _equinox.quiet_callback_failures():
                 if hide_warning and self.fresh:
@@ -260,8 +261,14 @@ class Program:
                     out = self._once(inputs, executable)
                 if not self.donating and _jax.is_eager():
                     # A failure while running surfaces here, before the new
-                    # buffers replace the state's.
-                    _jax.wait_for(out)
+                    # buffers replace the state's: reading the code of a failed
+                    # `jaxstate.extend.error_if` (the state passed was not
+                    # donated, a failed call's outputs are dropped) waits too.
+                    checks = out[-1].checks
+                    if checks is None:
+                        _jax.wait_for(out)
+                    else:
+                        code = failure_code_of(out)
         except (jax.errors.JaxRuntimeError, ValueError) as e:
             error = _equinox.runtime_error(e, self.jit_id)
             if error is None:
@@ -270,6 +277,8 @@ class Program:
         self.fresh = False
         self.ready = self.donating
         self._plain()
+        if checks is not None and code:
+            raise_failure(checks, code)
         return out
 
     def _once(self, inputs: Sequence, executable: Callable | None) -> Any:
@@ -364,13 +373,19 @@ class Program:
         if any(p.pending is not None for p in proxies):
             self.created = True
         self._plain()
-        if self.donating and _calls_back(_jax.recorded(top)):
+        donated = self.donating
+        if donated and (
+            # A small state's checks: the failed call's outputs are dropped.
+            (checks.code is not None and not checks.put_back)
+            or _calls_back(_jax.recorded(top))
+        ):
             # A failure while running would come after XLA took the donated
             # buffers: stop before this program is compiled (or, ahead of the
             # first call, finish the trace for `_probe`, to be reused undonated).
             if not self.tracing.probing:
                 raise Undonate
             self.tracing.called_back = True
+            donated = False
         new_bufs = [r[...] for r in local]
         failed = _checkify_failed(out)
         if failed is not None:
@@ -380,11 +395,12 @@ class Program:
                 jnp.where(failed, old, new)
                 for old, new in zip(bufs, new_bufs, strict=True)
             ]
-        # A failed `jaxstate.extend.error_if`: the state is put back (but what the
-        # layer keeps right itself), and the call raises once it has run.
-        # (Its callback, added after `_calls_back` looked, never runs.)
+        # A failed `jaxstate.extend.error_if`: the call raises once it has run,
+        # with the state it was passed, put back here (but what the layer keeps
+        # right itself) if donated. (The code's callback, added after
+        # `_calls_back` looked, never runs.)
         code = failure_code(checks)
-        if code is not None:
+        if code is not None and donated:
             new_bufs = [
                 new if owner in checks.free else jnp.where(code != 0, old, new)
                 for old, new, owner in zip(bufs, new_bufs, owners, strict=True)

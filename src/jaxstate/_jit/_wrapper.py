@@ -8,13 +8,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload, TypeVar
 
-import equinox as eqx
 import jax
-import numpy as np
 
 from .. import _jax
 from .._core._context import ReachedByClosure
-from .._core._failure import failure_text
+from .._core._failure import raise_if_failed
 from .._core._lock import give, take
 from ._cache import programs_for
 from ._fast import fast_call, MISS
@@ -45,15 +43,6 @@ def _commit_states(call: Part) -> None:
             _jax.set_holder_buffers(
                 call.holders, [jax.device_put(b, b.sharding) for b in bufs]
             )
-
-
-def _raise_if_failed(static: Any, out: Sequence) -> None:
-    # A failed `jaxstate.extend.error_if`: the state the call returned is the
-    # state it was passed (already put back); raised once the call has run.
-    # (Through NumPy: `int` of a JAX array costs about 10 µs more on 2 cores.)
-    code = int(np.asarray(out[-2]))
-    if code:
-        raise eqx.EquinoxRuntimeError(failure_text(static.checks, code))
 
 
 class _JitWrapper:
@@ -152,9 +141,8 @@ class _JitWrapper:
         out = program.run([], kept, [], donated, False)
         if program.created:
             self._forget(program, call)
+        raise_if_failed(out)
         static = out[-1]
-        if static.checks is not None:
-            _raise_if_failed(static, out)
         return rebuild(program.outputs[static.value], out, 0, call, None, False)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[Program, Part, int]:
@@ -296,8 +284,11 @@ class _JitWrapper:
             # references, so no other call may find it.
             self._forget(program, call)
         static = out[-1]
-        if static.checks is not None:
-            _raise_if_failed(static, out)
+        if static.checks is not None and program.donating:
+            # A failed `jaxstate.extend.error_if`: the state the call returned is
+            # the state it was passed, put back. (An undonated program's call
+            # raised before its buffers were stored: `Program._guarded`.)
+            raise_if_failed(out)
         n = len(call.holders)
         if static.one_array:
             # (A loss: the common case, without `rebuild`'s call.)

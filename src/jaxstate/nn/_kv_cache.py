@@ -12,8 +12,8 @@ from .. import get_state, set_state, StateIndex
 from ..extend import (
     eager_value,
     error_if,
-    fails_after_call,
     get_stacked,
+    puts_back,
     set_rows,
     set_stacked,
     shared_vmaps,
@@ -269,10 +269,11 @@ class KVCache(eqx.Module):
         if self.on_overflow == "error":
             # With the guards on, the check lets a call go on (`EQX_ON_ERROR`),
             # maybe with junk (`nan`): the position then falls back on `before`.
-            # Under `jaxstate.jit` the call fails after it has run, putting back
-            # the position but not the buffers: the write must not clamp onto
-            # the last positions, which may be below the position.
-            guard = guard or fails_after_call((self.buffers, self.position))
+            # Under `jaxstate.jit`, with a large state, the call fails after it
+            # has run, putting back the position but not the buffers: the write
+            # must not clamp onto the last positions, which may be below the
+            # position. (With a small one, a failed call's writes are dropped.)
+            guard = guard or puts_back((self.buffers, self.position))
             start = self._check_fits(start, n_new, fits)
         # As stored: `(num_heads, tokens, size)`.
         keys = keys.astype(all_keys.dtype).transpose(1, 0, 2)
