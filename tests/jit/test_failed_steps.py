@@ -426,6 +426,64 @@ def test_debug_nans_still_works_after_a_failed_trace():
     assert r["raised"] is not None and r["raised"].startswith("FloatingPointError"), r
 
 
+_DEBUG_NANS_FIRST_SCRIPT = r"""
+import json
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxstate
+
+jax.config.update("jax_debug_nans", True)
+out = {}
+# Each program's first call is made while debugging NaNs: a KV cache's check
+# (a small state) and an `eqx.error_if` (a host callback).
+cache = jaxstate.nn.KVCache(2, 1, 2)
+append = jaxstate.jit(lambda c, k: c.append(k, k)[2])
+out["starts"] = [int(append(cache, jnp.ones((1, 1, 2)))) for _ in range(2)]
+try:
+    append(cache, jnp.ones((1, 1, 2)))
+    out["overflow"] = None
+except eqx.EquinoxRuntimeError as e:
+    out["overflow"] = "do not fit" in str(e)
+out["length"] = int(cache.length())
+
+index = jaxstate.StateIndex(init=jnp.zeros(2))
+
+@jaxstate.jit
+def checked(i, x):
+    jaxstate.set_state(i, jaxstate.get_state(i) + 1)
+    return eqx.error_if(jnp.log(x), x > 5, "too big")
+
+out["checked"] = float(checked(index, jnp.asarray(1.0)))
+for name, x, error in [("too_big", 9.0, eqx.EquinoxRuntimeError),
+                       ("nan", -1.0, FloatingPointError)]:
+    try:
+        checked(index, jnp.asarray(x))
+        out[name] = None
+    except error as e:
+        out[name] = type(e).__name__
+out["state"] = index.unsafe_get().tolist()
+jax.config.update("jax_debug_nans", False)
+out["after"] = float(checked(index, jnp.asarray(1.0)))
+out["state_after"] = index.unsafe_get().tolist()
+print(json.dumps(out))
+"""
+
+
+def test_debug_nans_on_the_first_call_of_a_program_with_checks():
+    # The first trace of a program that checks (or calls back) was made for the
+    # undonated program while debugging NaNs: it stopped with jaxstate's internal
+    # `Undonate` before 2026-12-08.
+    out = run_python("-c", _DEBUG_NANS_FIRST_SCRIPT, timeout=300)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["starts"] == [0, 1] and r["overflow"] is True and r["length"] == 2, r
+    assert r["checked"] == 0.0, r
+    assert r["too_big"] == "EquinoxRuntimeError" and r["nan"] == "FloatingPointError"
+    # Neither failed call kept its write; the program goes on after debugging.
+    assert r["state"] == [1.0, 1.0] and r["after"] == 0.0, r
+    assert r["state_after"] == [2.0, 2.0], r
+
+
 def _readable_and_one_of(index, *candidates):
     value = index.unsafe_get()  # raises "Array has been deleted" when the bug hits
     assert any(np.array_equal(value, c) for c in candidates), value

@@ -285,7 +285,8 @@ class Program:
         if executable is not None:
             return executable(*inputs)
         if _jax.debugging_nans():
-            return self.undonated()(*inputs)
+            # (The donating program would reuse a trace made here.)
+            return self._probing(lambda: self.undonated()(*inputs))
         return self.retrying(inputs)
 
     def stop_donating(self) -> None:
@@ -301,14 +302,20 @@ class Program:
         back to the host, it is undonated, and JAX's cache of traces gives the
         undonated program the same trace: the user's function is traced once
         either way."""
+        self._probing(lambda: self.jitted.trace(*inputs))
+
+    def _probing(self, trace: Callable[[], Any]) -> Any:
+        """`trace()`, which may trace the program: a trace that calls back is
+        finished, not stopped (`Undonate`), and the program stops donating."""
         tracing = self.tracing
         tracing.probing, tracing.called_back = True, False
         try:
-            self.jitted.trace(*inputs)
+            out = trace()
         finally:
             tracing.probing = False
         if tracing.called_back:
             self.stop_donating()
+        return out
 
     def retrying(self, inputs: Sequence, lower: bool = False) -> Any:
         """The program called (or lowered) with `inputs`; again, undonated from then
