@@ -1,6 +1,7 @@
 """`jaxstate.jit`: the same results as `jax.jit`, a structure-keyed cache that holds
 no state, in-place updates."""
 
+import warnings
 import weakref
 
 import equinox as eqx
@@ -191,6 +192,34 @@ def test_donate_all_except_first():
     a, b = jnp.ones(3), jnp.ones(3)
     jaxstate.jit(lambda a, b: a + b, donate="all-except-first")(a, b)
     assert not a.is_deleted() and b.is_deleted()
+
+
+@pytest.mark.parametrize("donate", ["all-except-first", "warn-except-first"])
+@pytest.mark.parametrize("how", ["call", "lower and compile", "eager transform"])
+def test_the_warning_about_unusable_donations_only_where_asked(donate, how):
+    # `b` is donated but no output can reuse it (a scalar comes back): JAX warns.
+    # As `eqx.filter_jit(donate="all")`, jaxstate hides that warning unless asked
+    # to warn, on every path that compiles.
+    index = jaxstate.StateIndex(init=jnp.zeros(()))
+
+    def f(i, a, b):
+        jaxstate.set_state(i, jaxstate.get_state(i) + jnp.sum(a * b))
+        return jnp.sum(b)
+
+    step = jaxstate.jit(f, donate=donate)
+    a, b = jnp.ones(3), jnp.ones(3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if how == "call":
+            step(index, a, b)
+        elif how == "lower and compile":
+            step.lower(index, a, b).compile()(index, a, b)
+        else:
+            jax.jvp(lambda b: step(index, a, b), (b,), (b,))
+    unusable = [w for w in seen if "Some donated buffers" in str(w.message)]
+    assert bool(unusable) == (donate == "warn-except-first"), [
+        str(w.message) for w in seen
+    ]
 
 
 def test_a_step_that_fails_while_running_keeps_the_state():

@@ -3,9 +3,11 @@ path (`_JitWrapper.__call__`, `prepare`, `execute`) and ahead-of-time lowering;
 see README.md beside this file.
 """
 
+import contextlib
 import functools
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, overload, TypeVar
 
 import jax
@@ -138,7 +140,7 @@ class _JitWrapper:
             call = combine(parts)
             program = self._program(call)
         kept, donated = self._split(call.arrays, n_first(parts))
-        out = program.run([], kept, [], donated, False)
+        out = program.run([], kept, [], donated, self.hide_warning)
         if program.created:
             self._forget(program, call)
         raise_if_failed(out)
@@ -312,7 +314,8 @@ class _JitWrapper:
             kept, donated = self._split(call.arrays, first)
             bufs = _jax.holder_buffers(call.holders)
             try:
-                lowered = program.lower(call.storages, kept, bufs, donated)
+                with _donation_warnings(self.hide_warning):
+                    lowered = program.lower(call.storages, kept, bufs, donated)
                 break
             except ReachedByClosure as e:
                 with self.lock:
@@ -328,6 +331,16 @@ class _JitWrapper:
         return functools.partial(self, instance)
 
 
+@contextlib.contextmanager
+def _donation_warnings(hidden: bool) -> Iterator[None]:
+    """Within: JAX's warning about donated buffers it cannot reuse hidden, if
+    `hidden`, as on a call's first compile (`Program._guarded`)."""
+    with warnings.catch_warnings():
+        if hidden:
+            warnings.filterwarnings("ignore", "Some donated buffers")
+        yield
+
+
 class Lowered:
     """`jaxstate.jit(f).lower(*args)`: JAX's lowered program, plus `compile()`."""
 
@@ -339,7 +352,8 @@ class Lowered:
     def compile(self, *args, **kwargs) -> "AotCompiled":
         """Compiles the program; takes what `jax.stages.Lowered.compile` takes
         (`compiler_options=...`)."""
-        compiled = self._lowered.compile(*args, **kwargs)
+        with _donation_warnings(self._wrapper.hide_warning):
+            compiled = self._lowered.compile(*args, **kwargs)
         return AotCompiled(self._wrapper, self._program, compiled)
 
     def __getattr__(self, name: str):
@@ -407,7 +421,8 @@ def jit(fun=None, *, donate: _Donate = "none", **jitkwargs) -> Any:
     - `donate`: which argument arrays to donate, as in `eqx.filter_jit`:
         `"none"` (default), `"all"`, or `"all-except-first"` (all but those of the
         first argument); the `"warn"`/`"warn-except-first"` variants also show
-        JAX's warning about donated buffers it could not reuse. State buffers are
+        JAX's warning about donated buffers it could not reuse (the others hide
+        it, on a call, `lower().compile()` and eager transforms). State buffers are
         always donated: they belong to jaxstate, and are replaced after the call.
     - `**jitkwargs`: passed on to `jax.jit` (not `static_argnums`,
         `static_argnames` or `donate_argnums`).
