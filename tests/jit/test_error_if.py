@@ -125,6 +125,51 @@ def test_under_vmap_and_scan_one_failure_fails_the_call(mode):
     assert_unchanged(model, before)
 
 
+class Budget(eqx.Module):
+    left: jaxstate.StateIndex
+    spent: jaxstate.StateIndex
+
+    def __init__(self):
+        self.left = jaxstate.StateIndex(init=jnp.asarray(3.0))
+        self.spent = jaxstate.StateIndex(init=jnp.asarray(0.0))
+
+    def __call__(self, w, n):
+        jaxstate.set_state(self.spent, jaxstate.get_state(self.spent) + n)
+        left = jaxstate.get_state(self.left)
+        left = error_if(left, left < n, "over budget", states=[self.left, self.spent])
+        jaxstate.set_state(self.left, left - n)
+        return w * n
+
+
+_AROUND = {
+    "grad": lambda b, w, n: jax.grad(lambda w: b(w, n))(w),
+    "checkpoint": lambda b, w, n: jax.checkpoint(lambda w: b(w, n))(w),
+    "grad of checkpoint": lambda b, w, n: jax.grad(jax.checkpoint(lambda w: b(w, n)))(
+        w
+    ),
+    "cond": lambda b, w, n: lax.cond(n > -1, lambda w: b(w, n), lambda w: w, w),
+    "scan": lambda b, w, n: lax.scan(lambda c, _: (c, b(w, n)), None, length=1)[1][0],
+    "fori_loop": lambda b, w, n: lax.fori_loop(0, 1, lambda i, w: b(w, n), w),
+}
+
+
+@pytest.mark.parametrize("around", list(_AROUND))
+def test_a_check_under_a_transform_inside_the_call(mode, around):
+    budget = Budget()
+    step = jaxstate.jit(lambda b, w, n: _AROUND[around](b, w, n))
+    two = jnp.asarray(2.0)
+    # d(w·n)/dw = n; w·n = 4.
+    assert float(step(budget, two, two)) == (2.0 if "grad" in around else 4.0)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="over budget"):
+        step(budget, two, two)
+    # The failed call's writes (before and after the check) are not kept.
+    assert float(budget.left.unsafe_get()) == 1.0
+    assert float(budget.spent.unsafe_get()) == 2.0
+    step(budget, two, jnp.asarray(1.0))
+    assert float(budget.left.unsafe_get()) == 0.0
+    assert float(budget.spent.unsafe_get()) == 3.0
+
+
 def test_the_first_failed_check_is_the_one_raised(mode):
     @jaxstate.jit
     def two(x):
