@@ -367,12 +367,18 @@ def on_calling_thread(x: Any) -> Any:
     one. On other backends: `x` as it is."""
     if jax.default_backend() != "cpu":
         return x
-
-    def call_back(x):
-        return jax.pure_callback(lambda x: x, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
-
     never = jax.numpy.zeros((), bool)
-    return jax.lax.cond(never, call_back, lambda x: x, x)
+    # (Functions of their own, not lambdas: JAX keeps the branches' traces by
+    # function, so each later trace reuses them.)
+    return jax.lax.cond(never, _call_back, _same, x)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _call_back(x: Any) -> Any:
+    return jax.pure_callback(_same, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
 
 def in_while_loop() -> bool:

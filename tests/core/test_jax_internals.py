@@ -106,6 +106,19 @@ def test_on_calling_thread_leaves_a_record_of_a_callback_and_no_callback():
     assert "custom-call" not in text and "conditional" not in text
 
 
+def test_on_calling_thread_traces_its_branches_once():
+    # Every trace of a program with a `jaxstate.extend.error_if` makes one: JAX
+    # keeps the branches' traces by function, so later traces reuse them.
+    def branches(fn):
+        jaxpr = jax.make_jaxpr(fn)(jnp.int32(3))
+        (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+        return cond.params["branches"]
+
+    first = branches(lambda x: _jax.on_calling_thread(x * 2))
+    again = branches(lambda x: _jax.on_calling_thread(x + 1))
+    assert all(a is b for a, b in zip(first, again, strict=True))
+
+
 def test_frames_inside_stop_at_a_frame_and_leave_out_jax_frames():
     def outer():
         stop = sys._getframe()
