@@ -3,6 +3,7 @@ donation chosen per program. See README.md beside this file, and docs/design.md,
 "jaxstate.jit".
 """
 
+import contextlib
 import inspect
 import os
 import sys
@@ -10,7 +11,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -63,6 +64,16 @@ def _calls_back(eqns) -> bool:
             if _calls_back((e.primitive, e.params) for e in sub.eqns):
                 return True
     return False
+
+
+@contextlib.contextmanager
+def donation_warnings(hidden: bool) -> Iterator[None]:
+    """Within: JAX's warning about donated buffers it cannot reuse hidden, if
+    `hidden` (as `eqx.filter_jit(donate="all")` hides it)."""
+    with warnings.catch_warnings():
+        if hidden:
+            warnings.filterwarnings("ignore", "Some donated buffers")
+        yield
 
 
 class Undonate(Exception):
@@ -254,8 +265,7 @@ class Program:
         try:
             with _equinox.quiet_callback_failures():
                 if hide_warning and self.fresh:
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", "Some donated buffers")
+                    with donation_warnings(hidden=True):
                         out = self._once(inputs, executable)
                 else:
                     out = self._once(inputs, executable)

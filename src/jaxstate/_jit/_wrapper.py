@@ -3,11 +3,9 @@ path (`_JitWrapper.__call__`, `prepare`, `execute`) and ahead-of-time lowering;
 see README.md beside this file.
 """
 
-import contextlib
 import functools
-import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload, TypeVar
 
 import jax
@@ -21,7 +19,13 @@ from ._fast import fast_call, MISS
 from ._memo import Memo
 from ._outputs import rebuild
 from ._parts import analyse, combine, EMPTY, is_array, n_first, Part, pinned
-from ._program import calls_program, Program, program_and_call, Undonate
+from ._program import (
+    calls_program,
+    donation_warnings,
+    Program,
+    program_and_call,
+    Undonate,
+)
 
 
 _F = TypeVar("_F", bound=Callable)
@@ -314,7 +318,7 @@ class _JitWrapper:
             kept, donated = self._split(call.arrays, first)
             bufs = _jax.holder_buffers(call.holders)
             try:
-                with _donation_warnings(self.hide_warning):
+                with donation_warnings(self.hide_warning):
                     lowered = program.lower(call.storages, kept, bufs, donated)
                 break
             except ReachedByClosure as e:
@@ -331,16 +335,6 @@ class _JitWrapper:
         return functools.partial(self, instance)
 
 
-@contextlib.contextmanager
-def _donation_warnings(hidden: bool) -> Iterator[None]:
-    """Within: JAX's warning about donated buffers it cannot reuse hidden, if
-    `hidden`, as on a call's first compile (`Program._guarded`)."""
-    with warnings.catch_warnings():
-        if hidden:
-            warnings.filterwarnings("ignore", "Some donated buffers")
-        yield
-
-
 class Lowered:
     """`jaxstate.jit(f).lower(*args)`: JAX's lowered program, plus `compile()`."""
 
@@ -352,7 +346,7 @@ class Lowered:
     def compile(self, *args, **kwargs) -> "AotCompiled":
         """Compiles the program; takes what `jax.stages.Lowered.compile` takes
         (`compiler_options=...`)."""
-        with _donation_warnings(self._wrapper.hide_warning):
+        with donation_warnings(self._wrapper.hide_warning):
             compiled = self._lowered.compile(*args, **kwargs)
         return AotCompiled(self._wrapper, self._program, compiled)
 
