@@ -12,13 +12,14 @@ program, this module remembers the answer; later calls check each argument again
 it and run the executable directly, as JAX's C++ path does for programs without
 references. Whatever differs, and whatever this path does not do (host tokens of
 ordered effects, NaN checks, PGLE, NumPy arguments, custom layouts), goes to
-JAX's path. Before that, JAX works out the arguments' abstract
-values to find the program; those are remembered too, per function, for the
-arguments of its last call.
+JAX's path. Before that, JAX works out the arguments' abstract values and looks
+the call's parameters up in its cache to find the program; both are remembered
+too, per function, for its last call.
 
-Like `_jax.py`, this file is written against JAX's internals (`_run_python_pjit` and
-`_infer_input_type` are the stages it replaces); `tests/core/test_dispatch.py`
-checks it against JAX's path.
+Like `_jax.py`, this file is written against JAX's internals (`_run_python_pjit`,
+`_infer_params` and `_infer_input_type` are the stages it replaces, and
+`jit_evict_fn` the `clear_cache` it extends); `tests/core/test_dispatch.py` checks
+it against JAX's path.
 `JAXSTATE_JAX_DISPATCH=1` in the environment leaves JAX's dispatch as it is.
 """
 
@@ -34,20 +35,25 @@ from jax._src import (
     core as _core,
     dispatch as _dispatch,
     pjit as _pjit,
+    tree_util as _tree_util,
     util as _util,
 )
 from jax._src.array import ArrayImpl as _ArrayImpl
 from jax._src.interpreters import pxla as _pxla
+from jax._src.lib import _jax, jax_jit as _jax_jit
 from jax._src.random.prng import PRNGKeyArray as _KeyArray
 from jax._src.state.types import RefEffect as _RefEffect
 from jax._src.tree_util import tree_unflatten as _unflatten
 
 
 _Ref = _core.Ref
+_PjitFunction: Any = _jax.PjitFunction
 _jax_run = getattr(_pjit._run_python_pjit, "jax_run", _pjit._run_python_pjit)
 _jax_input_type = getattr(
     _pjit._infer_input_type, "jax_input_type", _pjit._infer_input_type
 )
+_jax_params = getattr(_pjit._infer_params, "jax_params", _pjit._infer_params)
+_jax_evict = getattr(_pjit.jit_evict_fn, "jax_evict", _pjit.jit_evict_fn)
 # Programs of one jaxpr (one per donation, sharding or other option of `jax.jit`).
 _MAX_PER_JAXPR = 8
 
@@ -67,7 +73,8 @@ class _Program:
         "seen",  # and the object of an equal one it last had
         "committed",  # and its commitment
         "handlers",  # make the output arrays
-        "writes",  # per output, the argument whose reference it updates, or None
+        "writes",  # (output, argument whose reference it updates), or None: none
+        "mine",  # the positions of the outputs that are the call's own
         "tokens",  # whether the program runs host callbacks or other effects
     )
 
@@ -162,16 +169,12 @@ def _call(program: _Program, args_flat: list) -> list | None:
     writes = program.writes
     if writes is None:
         return outs
-    mine = []
-    for i, o in zip(writes, outs, strict=True):
-        if i is None:
-            mine.append(o)
-        else:
-            try:
-                args[i]._refs._buf._replace_with(o)
-            except AttributeError:  # (a float0 output, as in JAX's)
-                pass
-    return mine
+    for o, i in writes:
+        try:
+            args[i]._refs._buf._replace_with(outs[o])
+        except AttributeError:  # (a float0 output, as in JAX's)
+            pass
+    return [outs[o] for o in program.mine]
 
 
 def _remember(p, args_flat: list, compiled, const_args) -> None:
@@ -226,7 +229,12 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     program.seen = [d.sharding for d in data]
     program.committed = [d._committed for d in data]
     program.handlers = run.out_handler.handlers
-    program.writes = run.mut.out_mut if run.mut is not None else None
+    out_mut = run.mut.out_mut if run.mut is not None else None
+    if out_mut is None:
+        program.writes, program.mine = None, []
+    else:
+        program.writes = [(o, i) for o, i in enumerate(out_mut) if i is not None]
+        program.mine = [o for o, i in enumerate(out_mut) if i is None]
     program.tokens = run.has_unordered_effects or run.has_host_callbacks
     key = id(jaxpr)
     entry = _programs.get(key)
@@ -254,7 +262,14 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
 class _Types:
     """The last call's arguments, as far as their types go."""
 
-    __slots__ = ("fun", "avals", "shardings", "impls", "types")
+    __slots__ = (
+        "fun",
+        "avals",
+        "shardings",
+        "impls",
+        "types",
+        "call",
+    )
 
     def __init__(
         self, fun: weakref.ref, avals: list, shardings: list, impls: list, types: tuple
@@ -267,42 +282,51 @@ class _Types:
         self.shardings = shardings
         self.impls = impls
         self.types = types  # what JAX's `_infer_input_type` gave for them
+        # What JAX's `_infer_params` found for them, with the rest of its cache
+        # key: (`jax.jit`'s options, the static arguments, the mesh, the
+        # configuration, the `PjitParams`), one tuple so that a thread sees all of
+        # one call's; None until then.
+        self.call: tuple | None = None
 
 
 _types: dict[int, _Types] = {}
 
 
+def _same_types(last: _Types, args) -> bool:
+    """Whether `args` have the types of `last`'s, by the identity of what makes
+    them."""
+    if len(args) != len(last.avals):
+        return False
+    for x, aval, sharding, impl in zip(
+        args, last.avals, last.shardings, last.impls, strict=True
+    ):
+        t = type(x)
+        if t is _ArrayImpl:
+            # (Not a key array's data last time: `jax.random.key_data` of a
+            # key is that very array, of another type than the key.)
+            if x.aval is not aval or x._sharding is not sharding or impl is not None:
+                return False
+        elif t is _Ref:
+            if x._aval is not aval:
+                return False
+        elif t is _KeyArray:
+            # (A key array's type is made from its implementation and its
+            # data's type and sharding.)
+            data = x._base_array
+            if x._impl is not impl or data.aval is not aval:
+                return False
+            if data.sharding is not sharding:
+                return False
+        else:
+            return False
+    return True
+
+
 def _infer_input_type(fun, dbg_fn, explicit_args):
     """JAX's `_infer_input_type`, remembered for the last call's arguments."""
     last = _types.get(id(fun))
-    if last is not None and last.fun() is fun and len(explicit_args) == len(last.avals):
-        args = zip(explicit_args, last.avals, last.shardings, last.impls, strict=True)
-        for x, aval, sharding, impl in args:
-            t = type(x)
-            if t is _ArrayImpl:
-                # (Not a key array's data last time: `jax.random.key_data` of a
-                # key is that very array, of another type than the key.)
-                if (
-                    x.aval is not aval
-                    or x._sharding is not sharding
-                    or impl is not None
-                ):
-                    break
-            elif t is _Ref:
-                if x._aval is not aval:
-                    break
-            elif t is _KeyArray:
-                # (A key array's type is made from its implementation and its
-                # data's type and sharding.)
-                data = x._base_array
-                if x._impl is not impl or data.aval is not aval:
-                    break
-                if data.sharding is not sharding:
-                    break
-            else:
-                break
-        else:
-            return last.types
+    if last is not None and last.fun() is fun and _same_types(last, explicit_args):
+        return last.types
     types = _jax_input_type(fun, dbg_fn, explicit_args)
     avals, shardings, impls = [], [], []
     for x in explicit_args:
@@ -336,6 +360,75 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
 _infer_input_type.jax_input_type = _jax_input_type  # pyright: ignore[reportFunctionMemberAccess]
 
 
+def _infer_params(fun, ji, args, kwargs):
+    """JAX's `_infer_params`, remembered for the last call's arguments: the same
+    function, options, static arguments and argument types, under the same mesh
+    and configuration, have the same `PjitParams` (the key of JAX's cache)."""
+    last = _types.get(id(fun))
+    if (
+        last is None
+        or (call := last.call) is None
+        or call[0] is not ji
+        or last.fun() is not fun
+    ):
+        return _remember_params(fun, ji, args, kwargs)
+    _, signature, mesh, context, p = call
+    now, dynargs = _parse(ji, args, kwargs)
+    if (
+        _same_types(last, dynargs)
+        and now == signature
+        and _pjit.get_ctx_mesh(ji.use_resource_env) is mesh
+        and _config.trace_context() == context
+    ):
+        return p, p.consts + dynargs
+    return _remember_params(fun, ji, args, kwargs)
+
+
+def _parse(ji, args, kwargs) -> tuple[Any, list]:
+    """The call's signature (its static part) and its dynamic arguments, as JAX's
+    `_infer_params` splits them."""
+    return _jax_jit.parse_arguments(
+        args,
+        tuple(kwargs.values()),
+        tuple(kwargs),
+        ji.static_argnums,
+        ji.static_argnames,
+        _tree_util.tracing_registry,
+    )
+
+
+def _remember_params(fun, ji, args, kwargs):
+    # (JAX's path, after which `_types` holds the arguments' types if
+    # `_infer_input_type` could remember them.)
+    context = _config.trace_context()
+    mesh = _pjit.get_ctx_mesh(ji.use_resource_env)
+    p, args_flat = _jax_params(fun, ji, args, kwargs)
+    last = _types.get(id(fun))
+    if (
+        last is not None
+        and last.fun() is fun
+        and not p.params["jaxpr"].jaxpr.is_high  # (which JAX does not cache)
+    ):
+        signature, dynargs = _parse(ji, args, kwargs)
+        if _same_types(last, dynargs):
+            last.call = (ji, signature, mesh, context, p)
+    return p, args_flat
+
+
+_infer_params.jax_params = _jax_params  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def _evict(jitted) -> None:
+    """`clear_cache()` of a `jax.jit` function: JAX's clears its whole cache of
+    `PjitParams` (so the next call traces again), and this forgets every one."""
+    _jax_evict(jitted)
+    for last in list(_types.values()):
+        last.call = None
+
+
+_evict.jax_evict = _jax_evict  # pyright: ignore[reportFunctionMemberAccess]
+
+
 class _Clear:
     """`jax.clear_caches()` forgets the remembered programs too."""
 
@@ -360,6 +453,9 @@ def install() -> None:
     if not installed():
         _pjit._run_python_pjit = _run_python_jit
         _pjit._infer_input_type = _infer_input_type
+        _pjit._infer_params = _infer_params
+        # (`jax.jit` sets its functions' `clear_cache` from the module's.)
+        _pjit.jit_evict_fn = _PjitFunction.clear_cache = _evict
         _util.register_cache(_Clear, "reference dispatch (jaxstate)")
 
 
@@ -368,15 +464,31 @@ def installed() -> bool:
     return (
         _pjit._run_python_pjit is _run_python_jit
         and _pjit._infer_input_type is _infer_input_type
+        and _pjit._infer_params is _infer_params
+        and _PjitFunction.clear_cache is _evict
     )
 
 
 @contextlib.contextmanager
 def jax_dispatch() -> Iterator[None]:
     """Within: JAX's own dispatch, nothing remembered or used (for comparisons)."""
-    saved = _pjit._run_python_pjit, _pjit._infer_input_type
-    _pjit._run_python_pjit, _pjit._infer_input_type = _jax_run, _jax_input_type
+    saved = (
+        _pjit._run_python_pjit,
+        _pjit._infer_input_type,
+        _pjit._infer_params,
+        _pjit.jit_evict_fn,
+    )
+    _pjit._run_python_pjit = _jax_run
+    _pjit._infer_input_type = _jax_input_type
+    _pjit._infer_params = _jax_params
+    _pjit.jit_evict_fn = _PjitFunction.clear_cache = _jax_evict
     try:
         yield
     finally:
-        _pjit._run_python_pjit, _pjit._infer_input_type = saved
+        (
+            _pjit._run_python_pjit,
+            _pjit._infer_input_type,
+            _pjit._infer_params,
+            _pjit.jit_evict_fn,
+        ) = saved
+        _PjitFunction.clear_cache = saved[3]

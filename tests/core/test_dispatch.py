@@ -5,6 +5,7 @@ Each test runs the same calls through that path and through JAX's own
 must go to JAX's path, it checks that it does."""
 
 import contextlib
+import functools
 import gc
 import os
 import threading
@@ -490,3 +491,110 @@ def test_the_types_of_a_dead_function_are_forgotten():
     del f, jitted
     gc.collect()
     assert dead() is None and key not in _dispatch._types
+
+
+@contextlib.contextmanager
+def params_counted(monkeypatch) -> Iterator[list]:
+    """The names of the functions whose calls reach JAX's own `_infer_params`."""
+    calls = []
+    jax_params = _dispatch._jax_params
+
+    def params(fun, ji, args, kwargs):
+        calls.append(fun.__name__)
+        return jax_params(fun, ji, args, kwargs)
+
+    monkeypatch.setattr(_dispatch, "_jax_params", params)
+    yield calls
+
+
+def test_remembered_params_follow_every_change(monkeypatch):
+    # JAX's `_infer_params` is remembered for a function's last call: another
+    # static argument, keyword, argument type, mesh or configuration (here, the
+    # NaN check, which also turns off donation) asks JAX's again.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(3))
+
+        @functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
+        def f(x, n, y, scale=1.0):
+            ref[...] += x * n * scale
+            return ref[...] + y
+
+        mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+        outs = []
+        for n in (1, 1, 2, 2, 1):
+            outs.append(f(jnp.ones(3), n, jnp.ones(3)))
+        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2)))
+        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2)))
+        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=3.0))  # (JAX's: a float)
+        outs.append(f(jnp.ones(3), 1, jnp.ones(3, jnp.int32)))
+        with jax.debug_nans(True):
+            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+        with jax.set_mesh(mesh):
+            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+        outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+        return outs, ref[...]
+
+    with params_counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    # Ours: 1, 2, 1 (static), a keyword, a Python float (whose type is not
+    # remembered), int32, NaN check, mesh, back: 9 of 13 calls; JAX's path asks
+    # its own every time (13).
+    assert calls.count("f") == 9 + 13, calls
+
+
+def test_remembered_params_under_eqx_filter_jit(monkeypatch):
+    # Equinox passes the model's static half as a static argument: a model of
+    # another structure (or with other static fields) asks JAX's again.
+    def scenario():
+        @eqx.filter_jit
+        def step(model, x):
+            return jax.vmap(model, axis_name="batch")(x)
+
+        def model(size):
+            return eqx.nn.Sequential(
+                [
+                    eqx.nn.Linear(3, size, key=jax.random.key(0)),
+                    jaxstate.nn.BatchNorm(size, axis_name="batch", mode="ema"),
+                ]
+            )
+
+        small, large = model(4), model(5)
+        x = jnp.arange(18.0).reshape(6, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jaxstate.SlowPathWarning)
+            outs = [step(m, x) for m in (small, small, large, large, small)]
+        return outs, jaxstate.state_dict(small), jaxstate.state_dict(large)
+
+    with params_counted(monkeypatch) as calls:
+        ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    assert calls.count("step") == 3 + 5, [c for c in calls if "step" in c]
+
+
+def test_clear_cache_traces_again(monkeypatch):
+    # `clear_cache()` of a `jax.jit` function makes its next call trace again,
+    # as through JAX's path, though this path remembered the call's parameters.
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(()))
+        scale = [1.0]
+        traces = []
+
+        @jax.jit
+        def f(x):
+            traces.append(None)
+            ref[...] += x * scale[0]
+            return ref[...]
+
+        outs = [f(jnp.float32(1)), f(jnp.float32(1))]
+        scale[0] = 10.0
+        outs.append(f(jnp.float32(1)))  # (the old trace: scale 1)
+        f.clear_cache()
+        outs += [f(jnp.float32(1)), f(jnp.float32(1))]
+        return outs, len(traces)
+
+    ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    assert ours[1] == 2
+    np.testing.assert_array_equal(np.stack(ours[0]), [1.0, 2.0, 3.0, 13.0, 23.0])
