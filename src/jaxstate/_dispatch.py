@@ -361,33 +361,10 @@ _infer_input_type.jax_input_type = _jax_input_type  # pyright: ignore[reportFunc
 
 
 def _infer_params(fun, ji, args, kwargs):
-    """JAX's `_infer_params`, remembered for the last call's arguments: the same
-    function, options, static arguments and argument types, under the same mesh
-    and configuration, have the same `PjitParams` (the key of JAX's cache)."""
-    last = _types.get(id(fun))
-    if (
-        last is None
-        or (call := last.call) is None
-        or call[0] is not ji
-        or last.fun() is not fun
-    ):
-        return _remember_params(fun, ji, args, kwargs)
-    _, signature, mesh, context, p = call
-    now, dynargs = _parse(ji, args, kwargs)
-    if (
-        _same_types(last, dynargs)
-        and now == signature
-        and _pjit.get_ctx_mesh(ji.use_resource_env) is mesh
-        and _config.trace_context() == context
-    ):
-        return p, p.consts + dynargs
-    return _remember_params(fun, ji, args, kwargs)
-
-
-def _parse(ji, args, kwargs) -> tuple[Any, list]:
-    """The call's signature (its static part) and its dynamic arguments, as JAX's
-    `_infer_params` splits them."""
-    return _jax_jit.parse_arguments(
+    """JAX's `_infer_params`, remembered for the last call: the same function,
+    options, static arguments and argument types, under the same mesh and
+    configuration, have the same `PjitParams` (the key of JAX's cache)."""
+    signature, dynargs = _jax_jit.parse_arguments(
         args,
         tuple(kwargs.values()),
         tuple(kwargs),
@@ -395,24 +372,36 @@ def _parse(ji, args, kwargs) -> tuple[Any, list]:
         ji.static_argnames,
         _tree_util.tracing_registry,
     )
-
-
-def _remember_params(fun, ji, args, kwargs):
-    # (JAX's path, after which `_types` holds the arguments' types if
-    # `_infer_input_type` could remember them.)
-    context = _config.trace_context()
-    mesh = _pjit.get_ctx_mesh(ji.use_resource_env)
-    p, args_flat = _jax_params(fun, ji, args, kwargs)
+    mesh: Any = _pjit.get_ctx_mesh(ji.use_resource_env)
     last = _types.get(id(fun))
-    if (
-        last is not None
-        and last.fun() is fun
-        and not p.params["jaxpr"].jaxpr.is_high  # (which JAX does not cache)
-    ):
-        signature, dynargs = _parse(ji, args, kwargs)
-        if _same_types(last, dynargs):
-            last.call = (ji, signature, mesh, context, p)
-    return p, args_flat
+    if last is not None and last.fun() is fun and _same_types(last, dynargs):
+        call = last.call
+        if (
+            call is not None
+            and call[0] is ji
+            and call[1] == signature
+            and call[2] is mesh
+            and call[3] == _config.trace_context()
+        ):
+            p = call[4]
+            return p, p.consts + dynargs
+        avals = last.types
+    else:
+        try:
+            avals = _infer_input_type(fun, None, dynargs)
+        except Exception:  # (JAX's path explains it)
+            return _jax_params(fun, ji, args, kwargs)
+    # JAX's cache, looked up as JAX's `_infer_params` does; tracing is JAX's.
+    entry = _pjit._infer_params_cached(fun, ji, signature, avals, mesh)
+    p = entry.pjit_params
+    if p is None:
+        p, args_flat = _jax_params(fun, ji, args, kwargs)
+        if entry.pjit_params is not p:  # (not cached: a "high" jaxpr)
+            return p, args_flat
+    last = _types.get(id(fun))
+    if last is not None and last.types is avals:
+        last.call = (ji, signature, mesh, _config.trace_context(), p)
+    return p, p.consts + dynargs
 
 
 _infer_params.jax_params = _jax_params  # pyright: ignore[reportFunctionMemberAccess]

@@ -11,13 +11,15 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src import pjit as _pjit
+from jax.sharding import AxisType
 
 import jaxstate
 from jaxstate import _dispatch
@@ -494,23 +496,38 @@ def test_the_types_of_a_dead_function_are_forgotten():
 
 
 @contextlib.contextmanager
-def params_counted(monkeypatch) -> Iterator[list]:
-    """The names of the functions whose calls reach JAX's own `_infer_params`."""
-    calls = []
-    jax_params = _dispatch._jax_params
+def looked_up(monkeypatch) -> Iterator[Callable[[Callable], bool]]:
+    """`asked(call)`: runs `call()`, and says whether it looked its parameters up
+    in JAX's cache (`_infer_params_cached`), rather than having them remembered."""
+    count = [0]
 
-    def params(fun, ji, args, kwargs):
-        calls.append(fun.__name__)
-        return jax_params(fun, ji, args, kwargs)
+    class Counted:
+        def __init__(self, cached):
+            self.cached = cached
 
-    monkeypatch.setattr(_dispatch, "_jax_params", params)
-    yield calls
+        def __call__(self, *args):
+            count[0] += 1
+            return self.cached(*args)
+
+        def __getattr__(self, name):  # (`cache_clear`, ...)
+            return getattr(self.cached, name)
+
+    def asked(call: Callable) -> bool:
+        before = count[0]
+        call()
+        return count[0] > before
+
+    cached = Counted(_pjit._infer_params_cached)
+    monkeypatch.setattr(_pjit, "_infer_params_cached", cached)
+    yield asked
 
 
 def test_remembered_params_follow_every_change(monkeypatch):
     # JAX's `_infer_params` is remembered for a function's last call: another
     # static argument, keyword, argument type, mesh or configuration (here, the
-    # NaN check, which also turns off donation) asks JAX's again.
+    # NaN check, which also turns off donation) looks them up in JAX's cache.
+    asked = []
+
     def scenario():
         ref = jax.new_ref(jnp.zeros(3))
 
@@ -519,34 +536,40 @@ def test_remembered_params_follow_every_change(monkeypatch):
             ref[...] += x * n * scale
             return ref[...] + y
 
-        mesh = jax.make_mesh((1,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+        mesh = jax.make_mesh((1,), ("i",), axis_types=(AxisType.Explicit,))
         outs = []
+
+        def call(*args, **kwargs):
+            asked.append(ask(lambda: outs.append(f(*args, **kwargs))))
+
         for n in (1, 1, 2, 2, 1):
-            outs.append(f(jnp.ones(3), n, jnp.ones(3)))
-        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2)))
-        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2)))
-        outs.append(f(jnp.ones(3), 1, jnp.ones(3), scale=3.0))  # (JAX's: a float)
-        outs.append(f(jnp.ones(3), 1, jnp.ones(3, jnp.int32)))
+            call(jnp.ones(3), n, jnp.ones(3))
+        call(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2))
+        call(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2))
+        call(jnp.ones(3), 1, jnp.ones(3), scale=3.0)  # (a float: not remembered)
+        call(jnp.ones(3), 1, jnp.ones(3), scale=3.0)
+        call(jnp.ones(3), 1, jnp.ones(3, jnp.int32))
         with jax.debug_nans(True):
-            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
-            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+            call(jnp.ones(3), 1, jnp.ones(3))
+            call(jnp.ones(3), 1, jnp.ones(3))
         with jax.set_mesh(mesh):
-            outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
-        outs.append(f(jnp.ones(3), 1, jnp.ones(3)))
+            call(jnp.ones(3), 1, jnp.ones(3))
+        call(jnp.ones(3), 1, jnp.ones(3))
         return outs, ref[...]
 
-    with params_counted(monkeypatch) as calls:
+    with looked_up(monkeypatch) as ask:
         ours, theirs = both(scenario)
     assert_same(ours, theirs)
-    # Ours: 1, 2, 1 (static), a keyword, a Python float (whose type is not
-    # remembered), int32, NaN check, mesh, back: 9 of 13 calls; JAX's path asks
-    # its own every time (13).
-    assert calls.count("f") == 9 + 13, calls
+    remembered = [True, False, True, False, True, True, False, True, True, True]
+    remembered += [True, False, True, True]
+    assert asked == remembered + [True] * 14  # (JAX's path: every call)
 
 
 def test_remembered_params_under_eqx_filter_jit(monkeypatch):
     # Equinox passes the model's static half as a static argument: a model of
-    # another structure (or with other static fields) asks JAX's again.
+    # another structure (or with other static fields) looks them up again.
+    asked = []
+
     def scenario():
         @eqx.filter_jit
         def step(model, x):
@@ -562,15 +585,17 @@ def test_remembered_params_under_eqx_filter_jit(monkeypatch):
 
         small, large = model(4), model(5)
         x = jnp.arange(18.0).reshape(6, 3)
+        outs = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jaxstate.SlowPathWarning)
-            outs = [step(m, x) for m in (small, small, large, large, small)]
+            for m in (small, small, large, large, small):
+                asked.append(ask(lambda m=m: outs.append(step(m, x))))
         return outs, jaxstate.state_dict(small), jaxstate.state_dict(large)
 
-    with params_counted(monkeypatch) as calls:
+    with looked_up(monkeypatch) as ask:
         ours, theirs = both(scenario)
     assert_same(ours, theirs)
-    assert calls.count("step") == 3 + 5, [c for c in calls if "step" in c]
+    assert asked == [True, False, True, False, True] + [True] * 5
 
 
 def test_clear_cache_traces_again(monkeypatch):
@@ -598,3 +623,39 @@ def test_clear_cache_traces_again(monkeypatch):
     assert_same(ours, theirs)
     assert ours[1] == 2
     np.testing.assert_array_equal(np.stack(ours[0]), [1.0, 2.0, 3.0, 13.0, 23.0])
+
+
+def test_a_call_splits_its_arguments_once(monkeypatch):
+    # Remembering costs a call nothing that JAX's path does not do: its arguments
+    # are split once (`parse_arguments` flattens a model passed to `jax.jit`
+    # through every module's flatten), whether the call is remembered, found in
+    # JAX's cache, or cannot be remembered (a Python float); twice only when
+    # JAX's path traces it.
+    splits = [0]
+    parse = _dispatch._jax_jit.parse_arguments
+
+    def counted(*args):
+        splits[0] += 1
+        return parse(*args)
+
+    monkeypatch.setattr(_dispatch._jax_jit, "parse_arguments", counted)
+    ref = jax.new_ref(jnp.zeros(()))
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def f(x, n, scale):
+        ref[...] += x * n * scale
+        return ref[...]
+
+    f32 = jnp.float32
+    calls = [(1, 1.0), (1, 1.0), (2, 1.0), (1, 1.0)]  # (a float: never remembered)
+    calls += [(1, f32(1)), (2, f32(1)), (1, f32(1)), (1, f32(1))]
+    per_call = []
+    for n, scale in calls:
+        before = splits[0]
+        f(jnp.float32(1), n, scale)
+        per_call.append(splits[0] - before)
+    # Traced (2 or more: the trace runs JAX's functions), JAX's cache, traced,
+    # JAX's cache, traced, traced, JAX's cache, remembered.
+    assert [per_call[i] for i in (1, 3, 6, 7)] == [1, 1, 1, 1], per_call
+    assert all(per_call[i] >= 2 for i in (0, 2, 4, 5)), per_call
+    np.testing.assert_array_equal(ref[...], 1 + 1 + 2 + 1 + 1 + 2 + 1 + 1)
