@@ -525,36 +525,39 @@ def looked_up(monkeypatch) -> Iterator[Callable[[Callable], bool]]:
 def test_remembered_params_follow_every_change(monkeypatch):
     # JAX's `_infer_params` is remembered for a function's last call: another
     # static argument, keyword, argument type, mesh or configuration (here, the
-    # NaN check, which also turns off donation) looks them up in JAX's cache.
+    # NaN check) looks them up in JAX's cache. (The same arrays every call: one
+    # made under another configuration or mesh has another `aval` object, which
+    # would look them up anyway.)
     asked = []
 
     def scenario():
         ref = jax.new_ref(jnp.zeros(3))
 
-        @functools.partial(jax.jit, static_argnums=1, donate_argnums=2)
+        @functools.partial(jax.jit, static_argnums=1)
         def f(x, n, y, scale=1.0):
             ref[...] += x * n * scale
             return ref[...] + y
 
         mesh = jax.make_mesh((1,), ("i",), axis_types=(AxisType.Explicit,))
+        x, y, two, ints = jnp.ones(3), jnp.ones(3), jnp.float32(2), jnp.ones(3, int)
         outs = []
 
         def call(*args, **kwargs):
             asked.append(ask(lambda: outs.append(f(*args, **kwargs))))
 
         for n in (1, 1, 2, 2, 1):
-            call(jnp.ones(3), n, jnp.ones(3))
-        call(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2))
-        call(jnp.ones(3), 1, jnp.ones(3), scale=jnp.float32(2))
-        call(jnp.ones(3), 1, jnp.ones(3), scale=3.0)  # (a float: not remembered)
-        call(jnp.ones(3), 1, jnp.ones(3), scale=3.0)
-        call(jnp.ones(3), 1, jnp.ones(3, jnp.int32))
+            call(x, n, y)
+        call(x, 1, y, scale=two)
+        call(x, 1, y, scale=two)
+        call(x, 1, y, scale=3.0)  # (a float: not remembered)
+        call(x, 1, y, scale=3.0)
+        call(x, 1, ints)
         with jax.debug_nans(True):
-            call(jnp.ones(3), 1, jnp.ones(3))
-            call(jnp.ones(3), 1, jnp.ones(3))
+            call(x, 1, y)
+            call(x, 1, y)
         with jax.set_mesh(mesh):
-            call(jnp.ones(3), 1, jnp.ones(3))
-        call(jnp.ones(3), 1, jnp.ones(3))
+            call(x, 1, y)
+        call(x, 1, y)
         return outs, ref[...]
 
     with looked_up(monkeypatch) as ask:
@@ -659,3 +662,142 @@ def test_a_call_splits_its_arguments_once(monkeypatch):
     assert [per_call[i] for i in (1, 3, 6, 7)] == [1, 1, 1, 1], per_call
     assert all(per_call[i] >= 2 for i in (0, 2, 4, 5)), per_call
     np.testing.assert_array_equal(ref[...], 1 + 1 + 2 + 1 + 1 + 2 + 1 + 1)
+
+
+def test_threads_under_their_own_configuration():
+    # JAX's configuration is per thread, and the remembered parameters are
+    # shared: a thread that refuses implicit rank promotion gets its own (which
+    # fail to trace), calling the same function in turn with another thread.
+    # (In turn: two threads writing one reference at once race, under JAX's path
+    # too.)
+    total = jax.new_ref(jnp.zeros(4))
+
+    @jax.jit
+    def step(x):
+        total[...] += (x + jnp.zeros((3, 4))).sum(0)  # (4,) promoted to (3, 4)
+        return x * 2
+
+    # (One argument for every call: an array made under another configuration
+    # has another `aval` object, which would ask JAX's cache anyway.)
+    x = jnp.ones(4)
+    with jax.numpy_rank_promotion("allow"):  # (the tests' is "raise")
+        step(x)
+    barrier = threading.Barrier(2, timeout=60)
+    raised = {"raise": [], "allow": []}
+
+    def call(promotion: str):
+        try:
+            step(x)
+        except ValueError as e:
+            assert "jax_numpy_rank_promotion" in str(e)
+            raised[promotion].append(True)
+        else:
+            raised[promotion].append(False)
+
+    def work(promotion: str):
+        with jax.numpy_rank_promotion(promotion):
+            for _ in range(20):
+                if promotion == "raise":
+                    call(promotion)
+                barrier.wait()
+                if promotion == "allow":
+                    call(promotion)
+                barrier.wait()
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in ("raise", "allow")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert raised == {"raise": [True] * 20, "allow": [False] * 20}
+    np.testing.assert_array_equal(total[...], np.full(4, 3.0 * 21))
+
+
+def test_remembered_params_follow_the_mesh_of_pjit(monkeypatch):
+    # `pjit` takes its mesh from `with mesh:`, which is not in JAX's configuration:
+    # the mesh is part of what is remembered.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pjit import pjit
+
+    asked = []
+
+    def scenario():
+        ref = jax.new_ref(jnp.zeros(3))
+
+        def f(x):
+            ref[...] += x
+            return ref[...]
+
+        x = jnp.ones(3)
+        mesh = jax.make_mesh((1,), ("i",))
+        outs = []
+
+        def call():
+            asked.append(ask(lambda: outs.append(g(x))))
+
+        with warnings.catch_warnings():
+            # (`pjit` and `with mesh:` are deprecated.)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            g = pjit(f)
+            call()
+            call()
+            with mesh:
+                call()
+                call()
+            call()
+        return outs, ref[...]
+
+    with looked_up(monkeypatch) as ask:
+        ours, theirs = both(scenario)
+    assert_same(ours, theirs)
+    assert asked == [True, False, True, False, True] + [True] * 5
+
+
+_MESHES_OF_ONE_SHAPE = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, Mesh
+from jaxstate import _dispatch
+
+first, second = (
+    Mesh(np.array([d]), ("i",), axis_types=(AxisType.Explicit,))
+    for d in jax.devices()
+)
+
+def run():
+    ref = jax.new_ref(jnp.zeros(3))
+
+    @jax.jit
+    def f(x):
+        ref[...] += x
+        return x * 2
+
+    x, seen = jnp.ones(3), []
+    for mesh in (first, first, second, second, first):
+        with jax.set_mesh(mesh):
+            try:
+                seen.append(str(f(x).devices()))
+            except ValueError as e:
+                seen.append(str(e).split(":")[0])
+    return seen + [str(ref[...].devices())]
+
+ours = run()
+with _dispatch.jax_dispatch():
+    theirs = run()
+assert ours == theirs, (ours, theirs)
+assert ours[2] == ours[3] != ours[1], ours
+print("ok")
+"""
+
+
+def test_remembered_params_follow_a_mesh_of_the_same_shape():
+    # Two meshes of one shape on other devices have one abstract mesh (and so one
+    # configuration): the mesh itself is part of what is remembered, or the call
+    # under the second would run on the first's device, where JAX refuses it.
+    result = run_python(
+        "-c",
+        _MESHES_OF_ONE_SHAPE,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        timeout=120,
+    )
+    assert result.stdout.strip() == "ok", result.stderr
