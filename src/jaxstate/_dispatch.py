@@ -239,7 +239,7 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
     key = id(jaxpr)
     entry = _programs.get(key)
     if entry is None or entry[0]() is not jaxpr:
-        ref = weakref.ref(jaxpr, lambda _, key=key: _programs.pop(key, None))
+        ref = weakref.ref(jaxpr, lambda _, key=key, pop=_programs.pop: pop(key, None))
         entry = _programs[key] = (ref, [])
     mine = entry[1]
     mine[:] = [m for m in mine if not _same(m, p.params)]
@@ -262,14 +262,7 @@ def _remember(p, args_flat: list, compiled, const_args) -> None:
 class _Types:
     """The last call's arguments, as far as their types go."""
 
-    __slots__ = (
-        "fun",
-        "avals",
-        "shardings",
-        "impls",
-        "types",
-        "call",
-    )
+    __slots__ = ("fun", "avals", "shardings", "impls", "types", "call")
 
     def __init__(
         self, fun: weakref.ref, avals: list, shardings: list, impls: list, types: tuple
@@ -327,6 +320,11 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
     last = _types.get(id(fun))
     if last is not None and last.fun() is fun and _same_types(last, explicit_args):
         return last.types
+    return _new_types(fun, dbg_fn, explicit_args, last)
+
+
+def _new_types(fun, dbg_fn, explicit_args, last: _Types | None):
+    """JAX's `_infer_input_type`, its answer remembered if the arguments allow."""
     types = _jax_input_type(fun, dbg_fn, explicit_args)
     avals, shardings, impls = [], [], []
     for x in explicit_args:
@@ -348,7 +346,7 @@ def _infer_input_type(fun, dbg_fn, explicit_args):
     key = id(fun)
     if last is None or last.fun() is not fun:
         try:
-            ref = weakref.ref(fun, lambda _, key=key: _types.pop(key, None))
+            ref = weakref.ref(fun, lambda _, key=key, pop=_types.pop: pop(key, None))
         except TypeError:  # (a callable without weak references: JAX's)
             return types
     else:
@@ -388,7 +386,7 @@ def _infer_params(fun, ji, args, kwargs):
         avals = last.types
     else:
         try:
-            avals = _infer_input_type(fun, None, dynargs)
+            avals = _new_types(fun, None, dynargs, last)
         except Exception:  # (JAX's path explains it)
             return _jax_params(fun, ji, args, kwargs)
     # JAX's cache, looked up as JAX's `_infer_params` does; tracing is JAX's.

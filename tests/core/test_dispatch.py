@@ -801,3 +801,32 @@ def test_remembered_params_follow_a_mesh_of_the_same_shape():
         timeout=120,
     )
     assert result.stdout.strip() == "ok", result.stderr
+
+
+_EXIT_AFTER_A_FAILED_TRACE = """
+import jax, jax.numpy as jnp
+from jaxstate import _dispatch
+
+total = jax.new_ref(jnp.zeros(4))
+
+@jax.jit
+def step(x):
+    total[...] += (x + jnp.zeros((3, 4))).sum(0)
+    return x * 2
+
+step(jnp.ones(4))
+with jax.numpy_rank_promotion("raise"):
+    try:
+        step(jnp.ones(4))
+    except ValueError:
+        pass
+# (Held by a global, the entry outlives the module's globals at exit.)
+entry = _dispatch._types[id(step._fun)]
+"""
+
+
+def test_nothing_is_printed_at_exit():
+    # What is remembered is forgotten when its function or jaxpr dies, also while
+    # the interpreter shuts down and `_dispatch`'s globals are gone.
+    result = run_python("-c", _EXIT_AFTER_A_FAILED_TRACE, timeout=120)
+    assert "Exception ignored" not in result.stderr, result.stderr
